@@ -1,0 +1,621 @@
+"""CPU backend: NumPy arrays, collectives run by ``gpucoll.algorithms`` over the socket transport.
+
+Ordering: every operation takes its place in a per-channel queue (one channel per peer and
+direction) when it is *issued*, in program order, and touches the wire only when it is first
+in every queue it uses. Collectives use every channel; ``send``/``isend`` to rank p only
+"send to p", ``recv``/``irecv`` from p only "receive from p". So messages appear on each
+connection in issue order, asynchronous point-to-point transfers in opposite directions
+progress together (no deadlock when two ranks both isend a large array and then irecv), and
+a blocking collective issued after ``async_op`` work runs after it.
+
+CuPy arrays (anything with ``__cuda_array_interface__``) are staged through host memory and
+the result is copied back into the device array, so several processes can share a GPU
+without NCCL.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import algorithms
+from ..communicator import Communicator
+from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutError, GpucollError,
+                      PeerError)
+from ..rendezvous.store import PrefixStore, Store
+from ..transports.base import OP_CODES, Frame, Recv
+from ..transports.socket import SocketTransport
+from ..types import ReduceOp, combine_fn, finish_avg, wire_code
+from ..work import Work
+
+__all__ = ["CPUCommunicator"]
+
+log = logging.getLogger("gpucoll")
+
+Channel = Tuple[str, int]
+
+
+class _OpOrder:
+    """Issue-order queues per channel (see module doc)."""
+
+    def __init__(self, rank: int, size: int):
+        self._cond = threading.Condition()
+        self._queues: Dict[Channel, deque] = defaultdict(deque)
+        self._next = 0
+        self.all_channels: List[Channel] = [(d, p) for p in range(size) if p != rank
+                                            for d in ("send", "recv")]
+
+    def issue(self, channels: Sequence[Channel]) -> Tuple[int, Sequence[Channel]]:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            for channel in channels:
+                self._queues[channel].append(ticket)
+            return ticket, channels
+
+    def _ready(self, ticket: int, channels: Sequence[Channel]) -> bool:
+        queues = self._queues
+        return all(queues[c][0] == ticket for c in channels)
+
+    def acquire(self, entry: Tuple[int, Sequence[Channel]], deadline: float,
+                is_aborted: Callable[[], bool]) -> bool:
+        ticket, channels = entry
+        with self._cond:
+            while not self._ready(ticket, channels):
+                if is_aborted():
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.5))
+            return True
+
+    def release(self, entry: Tuple[int, Sequence[Channel]]) -> None:
+        ticket, channels = entry
+        with self._cond:
+            for channel in channels:
+                queue = self._queues[channel]
+                if queue and queue[0] == ticket:
+                    queue.popleft()
+                else:  # released out of order after an abort
+                    try:
+                        queue.remove(ticket)
+                    except ValueError:
+                        pass
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class _Staged:
+    """Host view of a caller's array: NumPy arrays as they are, device arrays copied to host."""
+
+    __slots__ = ("host", "device")
+
+    def __init__(self, array):
+        if array is None:
+            self.host, self.device = None, None
+        elif isinstance(array, np.ndarray):
+            self.host, self.device = array, None
+        elif hasattr(array, "__cuda_array_interface__"):
+            import cupy  # lazily: only when a device array is passed
+
+            self.device = array
+            self.host = cupy.asnumpy(array)
+        else:
+            self.host, self.device = np.asarray(array), None
+
+    def write_back(self) -> None:
+        if self.device is not None:
+            self.device.set(self.host)
+
+    @property
+    def caller(self):
+        return self.device if self.device is not None else self.host
+
+
+_SIGNATURE = struct.Struct("<BBBBiQQ8Q")  # op, redop, dtype, ndim, root, seq, count, shape[8]
+_REDOPS = {op: i for i, op in enumerate(ReduceOp, start=1)}
+
+
+def _flat(array: np.ndarray) -> np.ndarray:
+    return array.reshape(-1)
+
+
+class CPUCommunicator(Communicator):
+    """Communicator over NumPy arrays (CuPy arrays are staged through the host)."""
+
+    backend = "cpu"
+
+    def __init__(self, store: Store, rank: int, size: int, *, comm_id: str, token: str,
+                 timeout: float, transport_mode: str = "auto", advertise_host: str = "127.0.0.1",
+                 socket_buffer: int = 4 << 20, chunk_bytes: int = 256 << 10,
+                 ring_threshold: int = 64 << 10, algorithm_override: Optional[dict] = None,
+                 debug: bool = False, owns_store: bool = True):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank={rank} is out of range for world_size={size}")
+        self.rank, self.size, self.timeout = rank, size, float(timeout)
+        self.comm_id = comm_id
+        self._root_store = store
+        self._owns_store = owns_store
+        self._store = PrefixStore(comm_id, store)
+        self._token = token
+        self._settings = dict(transport_mode=transport_mode, advertise_host=advertise_host,
+                              socket_buffer=socket_buffer, chunk_bytes=chunk_bytes,
+                              ring_threshold=ring_threshold, algorithm_override=algorithm_override,
+                              debug=debug)
+        self._ring_threshold = ring_threshold
+        self._override = algorithm_override or {}
+        self._debug = debug
+        self._transport = SocketTransport.connect(
+            self._store, rank, size, comm_id=comm_id, token=token, timeout=self.timeout,
+            mode=transport_mode, advertise_host=advertise_host, buffer_bytes=socket_buffer,
+            chunk_bytes=chunk_bytes)
+        host_ids = self._host_ids()
+        self.local_rank = sum(1 for r in range(rank) if host_ids[r] == host_ids[rank])
+        self.local_size = sum(1 for h in host_ids if h == host_ids[rank])
+        self._order = _OpOrder(rank, size)
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._p2p_seq: Dict[Channel, int] = defaultdict(int)
+        self._splits = 0
+        self._aborted: Optional[str] = None
+        self._closed = False
+
+    def _host_ids(self) -> List[str]:
+        import json
+
+        if self.size == 1:
+            return [""]
+        return [json.loads(self._store.get(f"addr/{r}", self.timeout))["host_id"]
+                for r in range(self.size)]
+
+    @property
+    def transport_kinds(self) -> Dict[int, str]:
+        """peer -> "unix" or "tcp": the link used to each peer."""
+        return dict(self._transport.kinds)
+
+    # ------------------------------------------------------------------ execution
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
+
+    def _check_alive(self) -> None:
+        if self._aborted is not None:
+            raise CommAbortedError(f"rank {self.rank}: communicator was aborted ({self._aborted}); "
+                                   f"create a new one")
+        if self._closed:
+            raise CommAbortedError(f"rank {self.rank}: communicator is closed")
+
+    def _submit(self, name: str, seq: int, channels: Sequence[Channel],
+                body: Callable[[float], object], async_op: bool, timeout: Optional[float] = None):
+        """Run ``body(deadline)`` in issue order, now or (async_op) on a worker thread."""
+        self._check_alive()
+        entry = self._order.issue(channels)
+        limit = self.timeout if timeout is None else timeout
+        if not async_op:
+            return self._execute(name, seq, entry, body, limit)
+        work = Work(name, seq, self.rank, limit * 2, on_timeout=self._abort_with)
+
+        def run() -> None:
+            try:
+                result = self._execute(name, seq, entry, body, limit)
+            except BaseException as exc:  # handed to wait()
+                work._finish(exception=exc)
+            else:
+                work._finish(result)
+
+        threading.Thread(target=run, name=f"gpucoll-{name}-{seq}", daemon=True).start()
+        return work
+
+    def _execute(self, name: str, seq: int, entry, body, limit: float):
+        start = time.monotonic()
+        try:
+            if not self._order.acquire(entry, start + limit, lambda: self._aborted is not None):
+                self._check_alive()
+                raise CommTimeoutError(
+                    f"rank {self.rank}: {name} #{seq} could not start within {limit:g} s: earlier "
+                    f"operations on this communicator did not finish",
+                    rank=self.rank, op=name, seq=seq)
+            self._check_alive()
+            return body(time.monotonic() + limit)
+        except GpucollError as exc:
+            if isinstance(exc, CommAbortedError):
+                raise
+            if self._aborted is not None and not isinstance(exc, CollectiveMismatchError):
+                raise CommAbortedError(
+                    f"rank {self.rank}: {name} #{seq} failed because the communicator was "
+                    f"aborted ({self._aborted})") from exc
+            self._abort_with(str(exc))
+            raise self._explain(exc)
+        finally:
+            self._order.release(entry)
+
+    def _explain(self, exc: GpucollError) -> GpucollError:
+        """Add what a dead or failing peer left in the store about why it stopped."""
+        peer = getattr(exc, "peer", None)
+        if not isinstance(exc, PeerError) or peer is None:
+            return exc
+        try:
+            if self._store.check([f"abort/{peer}"]):
+                reason = self._store.get(f"abort/{peer}", 1.0).decode(errors="replace")
+                exc.args = (f"{exc.args[0]} (peer {peer} reported: {reason})",)
+        except Exception:  # the store may be gone with the peer
+            pass
+        return exc
+
+    def _abort_with(self, reason: str) -> None:
+        if self._aborted is not None:
+            return
+        self._aborted = reason
+        try:
+            self._store.set(f"abort/{self.rank}", reason.encode())
+        except Exception:
+            pass
+        self._transport.close()
+        self._order.wake()
+
+    def _frame(self, name: str, seq: int, dtype) -> Frame:
+        return Frame(name, seq, wire_code(dtype) if dtype is not None else 0)
+
+    def _algorithm(self, collective: str, nbytes: int, itemsize: int):
+        name = algorithms.select(collective, nbytes, self.size, self._override, itemsize=itemsize,
+                                 ring_threshold=self._ring_threshold)
+        return algorithms.get(collective, name)
+
+    def _debug_check(self, name: str, seq: int, deadline: float, dtype, shape,
+                     op: Optional[ReduceOp] = None, root: int = -1) -> None:
+        """GPUCOLL_DEBUG: compare (op, dtype, shape, root, seq) across ranks before the op."""
+        if not self._debug or self.size == 1:
+            return
+        shape = tuple(shape)
+        dims = list(shape[:8]) + [0] * (8 - min(len(shape), 8))
+        count = int(np.prod(shape)) if shape else 1
+        mine = _SIGNATURE.pack(OP_CODES[name], _REDOPS.get(op, 0), wire_code(dtype) if dtype else 0,
+                               len(shape), root, seq, count, *dims)
+        peers = [p for p in range(self.size) if p != self.rank]
+        got = {p: bytearray(_SIGNATURE.size) for p in peers}
+        self._transport.exchange([(p, memoryview(mine)) for p in peers],
+                                 [Recv(p, memoryview(got[p])) for p in peers],
+                                 Frame("debug_check", seq), deadline)
+        signatures = {p: bytes(b) for p, b in got.items()}
+        signatures[self.rank] = mine
+        if len(set(signatures.values())) == 1:
+            return
+        holders: Dict[bytes, List[int]] = {}
+        for r in sorted(signatures):
+            holders.setdefault(signatures[r], []).append(r)
+        reference = max(holders, key=lambda sig: (len(holders[sig]), -holders[sig][0]))
+        odd = sorted(r for r, sig in signatures.items() if sig != reference)
+        ref_rank = holders[reference][0]
+        lines = [f"rank {r} called {self._describe(signatures[r])}" for r in odd]
+        raise CollectiveMismatchError(
+            f"collective mismatch at op #{seq}: rank {ref_rank} (and {len(holders[reference]) - 1} more) "
+            f"called {self._describe(reference)}, but " + "; ".join(lines),
+            rank=self.rank, peer=odd[0], op=name, seq=seq)
+
+    @staticmethod
+    def _describe(signature: bytes) -> str:
+        from ..transports.base import OP_NAMES
+        from ..types import dtype_from_code
+
+        op, redop, dtype, ndim, root, seq, count, *dims = _SIGNATURE.unpack(signature)
+        redops = {v: k.value for k, v in _REDOPS.items()}
+        parts = [f"dtype={dtype_from_code(dtype) if dtype else '-'}", f"shape={tuple(dims[:ndim])}"]
+        if redop:
+            parts.append(f"op={redops[redop]}")
+        if root >= 0:
+            parts.append(f"root={root}")
+        return f"{OP_NAMES.get(op, op)} #{seq}({', '.join(parts)})"
+
+    # ------------------------------------------------------------------ collectives
+    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool):
+        seq = self._next_seq()
+        src, dst = _Staged(x), (_Staged(out) if out is not None else None)
+        target = dst if dst is not None else src
+
+        def body(deadline: float):
+            self._debug_check("all_reduce", seq, deadline, src.host.dtype, src.host.shape, op)
+            if target is not src:
+                np.copyto(target.host, src.host)
+            flat = _flat(target.host)
+            if self.size > 1:
+                fn = self._algorithm("all_reduce", flat.nbytes, flat.itemsize)
+                fn(self._transport, flat, combine_fn(op, flat.dtype),
+                   self._frame("all_reduce", seq, flat.dtype), deadline)
+            if op is ReduceOp.AVG:
+                finish_avg(flat, self.size)
+            target.write_back()
+            return target.caller
+
+        return self._submit("all_reduce", seq, self._order.all_channels, body, async_op)
+
+    def _broadcast(self, x, root: int, async_op: bool):
+        seq = self._next_seq()
+        buf = _Staged(x)
+
+        def body(deadline: float):
+            self._debug_check("broadcast", seq, deadline, buf.host.dtype, buf.host.shape, root=root)
+            flat = _flat(buf.host)
+            if self.size > 1:
+                fn = self._algorithm("broadcast", flat.nbytes, flat.itemsize)
+                fn(self._transport, flat, root, self._frame("broadcast", seq, flat.dtype), deadline)
+            if self.rank != root:
+                buf.write_back()
+            return buf.caller
+
+        return self._submit("broadcast", seq, self._order.all_channels, body, async_op)
+
+    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool):
+        seq = self._next_seq()
+        src = _Staged(x)
+        dst = _Staged(out) if out is not None else (src if self.rank == root else None)
+
+        def body(deadline: float):
+            self._debug_check("reduce", seq, deadline, src.host.dtype, src.host.shape, op, root)
+            send = _flat(src.host)
+            result = _flat(dst.host) if dst is not None else None
+            if self.size > 1:
+                fn = self._algorithm("reduce", send.nbytes, send.itemsize)
+                fn(self._transport, send, result, root, combine_fn(op, send.dtype),
+                   self._frame("reduce", seq, send.dtype), deadline)
+            elif result is not None and result is not send:
+                np.copyto(result, send)
+            if dst is None:
+                return None
+            if op is ReduceOp.AVG:
+                finish_avg(result, self.size)
+            dst.write_back()
+            return dst.caller
+
+        return self._submit("reduce", seq, self._order.all_channels, body, async_op)
+
+    def _all_gather(self, x, out, async_op: bool):
+        seq = self._next_seq()
+        src = _Staged(x)
+        dst = _Staged(out) if out is not None else _Staged(np.empty((self.size,) + src.host.shape,
+                                                                    src.host.dtype))
+        if out is None and src.device is not None:
+            import cupy
+
+            dst.device = cupy.empty(dst.host.shape, dst.host.dtype)
+
+        def body(deadline: float):
+            self._debug_check("all_gather", seq, deadline, src.host.dtype, src.host.shape)
+            send, result = _flat(src.host), _flat(dst.host)
+            if self.size > 1:
+                fn = self._algorithm("all_gather", send.nbytes * self.size, send.itemsize)
+                fn(self._transport, send, result, self._frame("all_gather", seq, send.dtype), deadline)
+            else:
+                np.copyto(result, send)
+            dst.write_back()
+            return dst.caller
+
+        return self._submit("all_gather", seq, self._order.all_channels, body, async_op)
+
+    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool):
+        seq = self._next_seq()
+        src = _Staged(x)
+        dst = _Staged(out) if out is not None else _Staged(np.empty(src.host.shape[1:], src.host.dtype))
+        if out is None and src.device is not None:
+            import cupy
+
+            dst.device = cupy.empty(dst.host.shape, dst.host.dtype)
+
+        def body(deadline: float):
+            self._debug_check("reduce_scatter", seq, deadline, src.host.dtype, src.host.shape, op)
+            send, result = _flat(src.host), _flat(dst.host)
+            if self.size > 1:
+                fn = self._algorithm("reduce_scatter", send.nbytes, send.itemsize)
+                fn(self._transport, send, result, combine_fn(op, send.dtype),
+                   self._frame("reduce_scatter", seq, send.dtype), deadline)
+            else:
+                np.copyto(result, send)
+            if op is ReduceOp.AVG:
+                finish_avg(result, self.size)
+            dst.write_back()
+            return dst.caller
+
+        return self._submit("reduce_scatter", seq, self._order.all_channels, body, async_op)
+
+    def _gather(self, x, root: int, out):
+        seq = self._next_seq()
+        src = _Staged(x)
+        dst = None
+        if self.rank == root:
+            dst = _Staged(out) if out is not None else _Staged(
+                np.empty((self.size,) + src.host.shape, src.host.dtype))
+            if out is None and src.device is not None:
+                import cupy
+
+                dst.device = cupy.empty(dst.host.shape, dst.host.dtype)
+
+        def body(deadline: float):
+            self._debug_check("gather", seq, deadline, src.host.dtype, src.host.shape, root=root)
+            send = _flat(src.host)
+            result = _flat(dst.host) if dst is not None else None
+            if self.size > 1:
+                fn = self._algorithm("gather", send.nbytes * self.size, send.itemsize)
+                fn(self._transport, send, result, root, self._frame("gather", seq, send.dtype), deadline)
+            else:
+                np.copyto(result, send)
+            if dst is None:
+                return None
+            dst.write_back()
+            return dst.caller
+
+        return self._submit("gather", seq, self._order.all_channels, body, False)
+
+    def _scatter(self, x, root: int, out, template):
+        seq = self._next_seq()
+        src = _Staged(x) if self.rank == root else None
+        if out is not None:
+            dst = _Staged(out)
+        else:
+            chunk, dtype = template
+            dst = _Staged(np.empty(chunk, dtype))
+            if src is not None and src.device is not None:
+                import cupy
+
+                dst.device = cupy.empty(chunk, dtype)
+
+        def body(deadline: float):
+            self._debug_check("scatter", seq, deadline, dst.host.dtype, dst.host.shape, root=root)
+            result = _flat(dst.host)
+            send = _flat(src.host) if src is not None else None
+            if self.size > 1:
+                fn = self._algorithm("scatter", result.nbytes * self.size, result.itemsize)
+                fn(self._transport, send, result, root, self._frame("scatter", seq, result.dtype),
+                   deadline)
+            else:
+                np.copyto(result, send)
+            dst.write_back()
+            return dst.caller
+
+        return self._submit("scatter", seq, self._order.all_channels, body, False)
+
+    def _all_to_all(self, x, out):
+        seq = self._next_seq()
+        src = _Staged(x)
+        dst = _Staged(out) if out is not None else _Staged(np.empty(src.host.shape, src.host.dtype))
+        if out is None and src.device is not None:
+            import cupy
+
+            dst.device = cupy.empty(dst.host.shape, dst.host.dtype)
+
+        def body(deadline: float):
+            self._debug_check("all_to_all", seq, deadline, src.host.dtype, src.host.shape)
+            send, result = _flat(src.host), _flat(dst.host)
+            if self.size > 1:
+                fn = self._algorithm("all_to_all", send.nbytes, send.itemsize)
+                fn(self._transport, send, result, self._frame("all_to_all", seq, send.dtype), deadline)
+            else:
+                np.copyto(result, send)
+            dst.write_back()
+            return dst.caller
+
+        return self._submit("all_to_all", seq, self._order.all_channels, body, False)
+
+    # ------------------------------------------------------------------ point to point
+    def _p2p_frame(self, channel: Channel, tag: int, dtype) -> Frame:
+        with self._seq_lock:
+            self._p2p_seq[channel] += 1
+            number = self._p2p_seq[channel]
+        return Frame("send", number, wire_code(dtype), tag)
+
+    def _send(self, x, dst: int, tag: int, async_op: bool):
+        self._check_alive()
+        src = _Staged(x)
+        frame = self._p2p_frame(("send", dst), tag, src.host.dtype)
+
+        def body(deadline: float):
+            self._transport.send(dst, memoryview(_flat(src.host)).cast("B"), frame, deadline)
+            return None
+
+        return self._submit("send", frame.seq, [("send", dst)], body, async_op)
+
+    def _recv(self, out, src: int, tag: int, async_op: bool):
+        self._check_alive()
+        dst = _Staged(out)
+        frame = self._p2p_frame(("recv", src), tag, dst.host.dtype)
+
+        def body(deadline: float):
+            self._transport.recv(src, memoryview(_flat(dst.host)).cast("B"), frame, deadline)
+            dst.write_back()
+            return dst.caller
+
+        return self._submit("recv", frame.seq, [("recv", src)], body, async_op)
+
+    # ------------------------------------------------------------------ groups and lifetime
+    def _barrier(self, timeout: float) -> None:
+        seq = self._next_seq()
+
+        def body(deadline: float):
+            if self.size > 1:
+                algorithms.get("barrier", algorithms.select("barrier", 0, self.size, self._override))(
+                    self._transport, self._frame("barrier", seq, None), deadline)
+
+        self._submit("barrier", seq, self._order.all_channels, body, False, timeout=timeout)
+
+    def _split(self, color: Optional[int], key: int) -> Optional["CPUCommunicator"]:
+        seq = self._next_seq()
+        self._splits += 1
+        number = self._splits
+        mine = np.array([-1 if color is None else color, key], dtype=np.int64)
+        table = np.empty((self.size, 2), dtype=np.int64)
+
+        def body(deadline: float):
+            if self.size > 1:
+                fn = algorithms.get("all_gather", "direct")
+                fn(self._transport, mine, _flat(table), self._frame("split", seq, np.int64), deadline)
+            else:
+                table[0] = mine
+            return table
+
+        self._submit("split", seq, self._order.all_channels, body, False)
+        if color is None:
+            return None
+        members = sorted((int(k), r) for r, (c, k) in enumerate(table) if c == color)
+        ranks = [r for _, r in members]
+        return CPUCommunicator(
+            self._root_store, ranks.index(self.rank), len(ranks),
+            comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
+            timeout=self.timeout, owns_store=False, **self._settings)
+
+    def abort(self) -> None:
+        """Abort at once: pending and later operations raise ``CommAbortedError``."""
+        self._abort_with(f"abort() called on rank {self.rank}")
+        self._release_store()
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Close after checking with every peer that no message was left unreceived.
+
+        Collective: waits (at most ``timeout``, default the communicator's) for the peers'
+        close. Raises ``CollectiveMismatchError`` when a peer had sent data nobody received
+        (e.g. ranks that disagreed on a broadcast root). Idempotent; after an abort it only
+        releases resources.
+        """
+        if self._closed:
+            return
+        if self._aborted is not None:
+            self._closed = True
+            self._release_store()
+            return
+        limit = self.timeout if timeout is None else timeout
+        entry = self._order.issue(self._order.all_channels)
+        problems: List[str] = []
+        try:
+            if self._order.acquire(entry, time.monotonic() + limit, lambda: self._aborted is not None):
+                problems = self._transport.close_handshake(time.monotonic() + limit)
+        finally:
+            self._order.release(entry)
+            self._closed = True
+            self._transport.close()
+            self._release_store()
+        if problems:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: messages were left unreceived at close: " + "; ".join(problems),
+                rank=self.rank)
+
+    def _release_store(self) -> None:
+        if self._owns_store:
+            try:
+                self._root_store.close()
+            except Exception:
+                pass
+
+    def __del__(self):  # best effort: never leave sockets behind
+        try:
+            if not self._closed and self._aborted is None:
+                self._transport.close()
+        except Exception:
+            pass

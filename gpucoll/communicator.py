@@ -1,0 +1,382 @@
+"""The Communicator interface every backend implements, and the argument checks they share.
+
+Public methods validate their arguments here, eagerly and identically for every backend
+(``ValueError`` / ``TypeError`` naming the bad value, before anything is sent), then call the
+backend's ``_<op>`` method with normalized arguments.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional, Sequence, Tuple, Union
+
+from .types import ReduceOp, check_op_dtype, wire_code
+from .work import Work
+
+__all__ = ["Communicator"]
+
+Array = Any  # numpy.ndarray, cupy.ndarray, or what a backend accepts
+
+
+def _shape_of(x: Array) -> Tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+class Communicator(abc.ABC):
+    """A group of ``size`` ranks that run collectives together.
+
+    Attributes:
+        rank: this process's rank in the group, 0 <= rank < size.
+        size: number of ranks.
+        local_rank: rank among the group's ranks on this host.
+        local_size: number of the group's ranks on this host.
+        backend: "cpu" or "nccl".
+        timeout: seconds a blocking call may wait.
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    backend: str
+    timeout: float
+
+    # ------------------------------------------------------------------ checks
+    def _array(self, x: Array, name: str) -> Array:
+        """Return ``x`` as the backend's array type, checking type, dtype and contiguity."""
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array (NumPy, CuPy), got {type(x).__name__}")
+        wire_code(x.dtype)  # TypeError for unsupported dtypes
+        flags = getattr(x, "flags", None)
+        if flags is not None and not flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (got strides {tuple(x.strides)} for "
+                             f"shape {_shape_of(x)}); pass np.ascontiguousarray({name})")
+        return x
+
+    @staticmethod
+    def _writable(x: Array, name: str) -> None:
+        flags = getattr(x, "flags", None)
+        if flags is not None and getattr(flags, "writeable", True) is False:
+            raise ValueError(f"{name} is read-only; pass a writeable array (or out=)")
+
+    def _out(self, out: Array, shape: Tuple[int, ...], dtype: Any, name: str = "out") -> Array:
+        out = self._array(out, name)
+        self._writable(out, name)
+        if _shape_of(out) != tuple(shape):
+            raise ValueError(f"{name} has shape {_shape_of(out)}, expected {tuple(shape)}")
+        if out.dtype != dtype:
+            raise TypeError(f"{name} has dtype {out.dtype}, expected {dtype}")
+        return out
+
+    def _root(self, root: int, name: str = "root") -> int:
+        if isinstance(root, bool) or not isinstance(root, (int,)) and not hasattr(root, "__index__"):
+            raise TypeError(f"{name} must be an int, got {type(root).__name__}")
+        root = int(root)
+        if not 0 <= root < self.size:
+            raise ValueError(f"{name}={root} is out of range for a communicator of size {self.size}")
+        return root
+
+    def _peer(self, peer: int, name: str) -> int:
+        peer = self._root(peer, name)
+        if peer == self.rank:
+            raise ValueError(f"{name}={peer} is this rank; send/recv need another rank")
+        return peer
+
+    def _leading(self, x: Array, name: str) -> Tuple[int, ...]:
+        """Check that ``x`` has shape (size, *chunk) and return chunk."""
+        shape = _shape_of(x)
+        if not shape or shape[0] != self.size:
+            raise ValueError(f"{name} must have shape (size={self.size}, ...), got {shape}")
+        return shape[1:]
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, x: Array, op: Union[ReduceOp, str] = "sum", *, out: Optional[Array] = None,
+                   async_op: bool = False):
+        """Reduce ``x`` across all ranks; every rank gets the result.
+
+        Args:
+            x: input array (same shape and dtype on every rank).
+            op: sum, prod, min, max, avg, or band/bor/bxor on integers.
+            out: where to write the result; None reduces ``x`` in place.
+            async_op: return a ``Work`` instead of blocking.
+
+        Returns:
+            The result array (``out`` or ``x``), or a ``Work`` when ``async_op``.
+
+        Example (two ranks)::
+
+            x = np.full(4, comm.rank + 1.0)   # rank 0: 1s, rank 1: 2s
+            comm.all_reduce(x)                # both: [3, 3, 3, 3]
+        """
+        op = ReduceOp.parse(op)
+        x = self._array(x, "x")
+        check_op_dtype(op, x.dtype)
+        if out is None:
+            self._writable(x, "x")
+        else:
+            out = self._out(out, _shape_of(x), x.dtype)
+        return self._all_reduce(x, op, out, async_op)
+
+    def broadcast(self, x: Array, root: int = 0, *, async_op: bool = False):
+        """Copy ``x`` from ``root`` into ``x`` on every other rank (in place).
+
+        Example (two ranks)::
+
+            x = np.arange(3.0) if comm.rank == 0 else np.empty(3)
+            comm.broadcast(x, root=0)         # both: [0, 1, 2]
+        """
+        root = self._root(root)
+        x = self._array(x, "x")
+        if self.rank != root:
+            self._writable(x, "x")
+        return self._broadcast(x, root, async_op)
+
+    def reduce(self, x: Array, root: int = 0, op: Union[ReduceOp, str] = "sum", *,
+               out: Optional[Array] = None, async_op: bool = False):
+        """Reduce ``x`` across ranks into ``out`` (or ``x``) on ``root``.
+
+        Returns:
+            The result on ``root``; None on other ranks (whose ``x`` is left unchanged).
+
+        Example (two ranks)::
+
+            y = comm.reduce(np.ones(2), root=1)   # rank 1: [2, 2]; rank 0: None
+        """
+        op = ReduceOp.parse(op)
+        root = self._root(root)
+        x = self._array(x, "x")
+        check_op_dtype(op, x.dtype)
+        if self.rank == root:
+            if out is None:
+                self._writable(x, "x")
+            else:
+                out = self._out(out, _shape_of(x), x.dtype)
+        else:
+            out = None
+        return self._reduce(x, root, op, out, async_op)
+
+    def all_gather(self, x: Array, *, out: Optional[Array] = None, async_op: bool = False):
+        """Gather every rank's ``x`` into ``out`` of shape ``(size, *x.shape)`` on every rank.
+
+        Example (two ranks)::
+
+            comm.all_gather(np.array([comm.rank]))  # both: [[0], [1]]
+        """
+        x = self._array(x, "x")
+        if out is not None:
+            out = self._out(out, (self.size,) + _shape_of(x), x.dtype)
+        return self._all_gather(x, out, async_op)
+
+    def reduce_scatter(self, x: Array, op: Union[ReduceOp, str] = "sum", *,
+                       out: Optional[Array] = None, async_op: bool = False):
+        """Reduce ``x`` (shape ``(size, *chunk)``) across ranks; rank r gets block r.
+
+        Example (two ranks)::
+
+            x = np.array([[1.0], [2.0]]) * (comm.rank + 1)
+            comm.reduce_scatter(x)            # rank 0: [3.]; rank 1: [6.]
+        """
+        op = ReduceOp.parse(op)
+        x = self._array(x, "x")
+        check_op_dtype(op, x.dtype)
+        chunk = self._leading(x, "x")
+        if out is not None:
+            out = self._out(out, chunk, x.dtype)
+        return self._reduce_scatter(x, op, out, async_op)
+
+    def gather(self, x: Array, root: int = 0, *, out: Optional[Array] = None):
+        """Gather every rank's ``x`` into ``out`` (shape ``(size, *x.shape)``) on ``root``.
+
+        Returns:
+            The gathered array on ``root``; None elsewhere.
+
+        Example (two ranks)::
+
+            comm.gather(np.array([comm.rank * 10]), root=0)  # rank 0: [[0], [10]]
+        """
+        root = self._root(root)
+        x = self._array(x, "x")
+        if self.rank == root and out is not None:
+            out = self._out(out, (self.size,) + _shape_of(x), x.dtype)
+        elif self.rank != root:
+            out = None
+        return self._gather(x, root, out)
+
+    def scatter(self, x: Optional[Array], root: int = 0, *, out: Optional[Array] = None):
+        """Send block r of ``x`` (shape ``(size, *chunk)``, read on ``root`` only) to rank r.
+
+        Args:
+            x: on root, the array to scatter. Elsewhere it may be None when ``out`` is given,
+                or an array of the full shape used only for shape and dtype.
+            out: the chunk buffer; required on non-root ranks unless ``x`` is given.
+
+        Example (two ranks)::
+
+            x = np.array([[1], [2]]) if comm.rank == 0 else None
+            comm.scatter(x, root=0, out=np.empty(1, np.int64))  # rank 0: [1]; rank 1: [2]
+        """
+        root = self._root(root)
+        if self.rank == root or x is not None:
+            if x is None:
+                raise ValueError("scatter: x is required on the root rank")
+            x = self._array(x, "x")
+            chunk = self._leading(x, "x")
+            if out is not None:
+                out = self._out(out, chunk, x.dtype)
+        else:
+            if out is None:
+                raise ValueError(f"scatter: rank {self.rank} is not the root; pass out= (the chunk "
+                                 f"buffer) or x (for its shape and dtype)")
+            out = self._array(out, "out")
+            self._writable(out, "out")
+        return self._scatter(x if self.rank == root else None, root, out,
+                             None if x is None else (self._leading(x, "x"), x.dtype))
+
+    def all_to_all(self, x: Array, *, out: Optional[Array] = None):
+        """Rank r sends block j of ``x`` (shape ``(size, *chunk)``) to rank j, which stores it
+        as its block r.
+
+        Example (two ranks)::
+
+            x = np.array([[comm.rank * 2], [comm.rank * 2 + 1]])
+            comm.all_to_all(x)   # rank 0: [[0], [2]]; rank 1: [[1], [3]]
+        """
+        x = self._array(x, "x")
+        self._leading(x, "x")
+        if out is not None:
+            out = self._out(out, _shape_of(x), x.dtype)
+            if out is x:
+                raise ValueError("all_to_all: out must not be x (no in-place all_to_all)")
+        return self._all_to_all(x, out)
+
+    # ------------------------------------------------------------------ point to point
+    def send(self, x: Array, dst: int, *, tag: int = 0) -> None:
+        """Send ``x`` to rank ``dst``; returns when ``x`` may be reused.
+
+        Messages between two ranks arrive in the order they were sent; the receiver's
+        ``tag`` must match (a mismatch raises ``CollectiveMismatchError``).
+        """
+        dst = self._peer(dst, "dst")
+        x = self._array(x, "x")
+        self._send(x, dst, self._tag(tag), async_op=False)
+
+    def recv(self, out: Array, src: int, *, tag: int = 0):
+        """Receive into ``out`` from rank ``src`` (shape and dtype must match the sent array)."""
+        src = self._peer(src, "src")
+        out = self._array(out, "out")
+        self._writable(out, "out")
+        return self._recv(out, src, self._tag(tag), async_op=False)
+
+    def isend(self, x: Array, dst: int, *, tag: int = 0) -> Work:
+        """Start sending ``x`` to ``dst``; don't modify ``x`` until the Work completes."""
+        dst = self._peer(dst, "dst")
+        x = self._array(x, "x")
+        return self._send(x, dst, self._tag(tag), async_op=True)
+
+    def irecv(self, out: Array, src: int, *, tag: int = 0) -> Work:
+        """Start receiving into ``out`` from ``src``; read ``out`` after the Work completes."""
+        src = self._peer(src, "src")
+        out = self._array(out, "out")
+        self._writable(out, "out")
+        return self._recv(out, src, self._tag(tag), async_op=True)
+
+    @staticmethod
+    def _tag(tag: int) -> int:
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 2 ** 32:
+            raise ValueError(f"tag must be an int in [0, 2**32), got {tag!r}")
+        return tag
+
+    # ------------------------------------------------------------------ groups and lifetime
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Block until every rank has entered the barrier (at most ``timeout`` seconds)."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self._barrier(self.timeout if timeout is None else float(timeout))
+
+    def split(self, color: Optional[int], key: Optional[int] = None) -> Optional["Communicator"]:
+        """Split into sub-communicators: ranks with equal ``color`` form one, ordered by
+        (``key``, rank). Collective over this communicator.
+
+        Returns:
+            The new communicator, or None for ranks that pass ``color=None`` (or a negative color).
+        """
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int)):
+            raise TypeError(f"color must be an int or None, got {color!r}")
+        if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
+            raise TypeError(f"key must be an int or None, got {key!r}")
+        if color is not None and color < 0:
+            color = None
+        return self._split(color, self.rank if key is None else key)
+
+    def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
+        """A communicator of ``ranks`` (in that order: ``ranks[i]`` becomes rank i).
+
+        Every rank must call it with the same list; ranks outside it get None.
+
+        Example (four ranks)::
+
+            evens = comm.new_group([0, 2])   # ranks 0, 2 -> group ranks 0, 1; others None
+        """
+        ranks = [self._root(r, "ranks[]") for r in ranks]
+        if len(set(ranks)) != len(ranks) or not ranks:
+            raise ValueError(f"new_group: ranks must be a non-empty list of distinct ranks, got {ranks}")
+        if self.rank in ranks:
+            return self._split(0, ranks.index(self.rank))
+        return self._split(None, 0)
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Abort: fail every pending and future operation at once, close connections."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the communicator after a last check that no message was left unreceived."""
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} backend={self.backend} rank={self.rank} size={self.size}>"
+
+    # ------------------------------------------------------------------ backend hooks
+    @abc.abstractmethod
+    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool): ...
+
+    @abc.abstractmethod
+    def _broadcast(self, x, root: int, async_op: bool): ...
+
+    @abc.abstractmethod
+    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool): ...
+
+    @abc.abstractmethod
+    def _all_gather(self, x, out, async_op: bool): ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool): ...
+
+    @abc.abstractmethod
+    def _gather(self, x, root: int, out): ...
+
+    @abc.abstractmethod
+    def _scatter(self, x, root: int, out, template): ...
+
+    @abc.abstractmethod
+    def _all_to_all(self, x, out): ...
+
+    @abc.abstractmethod
+    def _send(self, x, dst: int, tag: int, async_op: bool): ...
+
+    @abc.abstractmethod
+    def _recv(self, out, src: int, tag: int, async_op: bool): ...
+
+    @abc.abstractmethod
+    def _barrier(self, timeout: float) -> None: ...
+
+    @abc.abstractmethod
+    def _split(self, color: Optional[int], key: int) -> Optional["Communicator"]: ...

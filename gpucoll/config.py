@@ -1,0 +1,208 @@
+"""The one place that reads environment variables.
+
+Every runtime option is declared once in :data:`SETTINGS` with its type, default and
+documentation; the README's table is generated from it (``python -m gpucoll.config``).
+Launcher variables (torchrun, Slurm, Open MPI, MPICH/PMI) are declared here too, so that
+no other module touches ``os.environ``.
+
+Values are read at call time, so a test (or a launcher) can set a variable and the next
+``get`` sees it. An unknown ``GPUCOLL_*`` name in the environment is reported by
+:func:`unknown_names` (``gpucoll.init`` warns about it), which catches typos such as
+``GPUCOLL_TIMOUT``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+__all__ = ["Setting", "SETTINGS", "get", "get_raw", "is_set", "unknown_names", "markdown_table"]
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def _parse_bytes(text: str) -> int:
+    """Parse '4194304', '4MiB', '256KiB', '1G' into a byte count."""
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+             "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+             "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+    stripped = text.strip().lower()
+    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = stripped[len(number):].strip()
+    if unit not in units or not number:
+        raise ValueError(f"expected a byte count such as 4194304, 256KiB or 4MiB, got {text!r}")
+    return int(float(number) * units[unit])
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return value
+
+    parse.__name__ = " / ".join(choices)
+    return parse
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: name, parser, default and documentation."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    group: str = "gpucoll"
+
+    @property
+    def type_name(self) -> str:
+        names = {str: "str", int: "int", float: "float", _parse_bool: "bool", _parse_bytes: "bytes"}
+        return names.get(self.parse, getattr(self.parse, "__name__", "str"))
+
+
+_GPUCOLL = [
+    Setting("GPUCOLL_BACKEND", _choice("auto", "cpu", "nccl"), "auto",
+            "Backend for `init()` when none is passed: `auto` picks NCCL when CuPy, NCCL and a GPU "
+            "are usable, else `cpu`."),
+    Setting("GPUCOLL_INIT_URL", str, "env://",
+            "Rendezvous URL for `init()` when none is passed: `env://`, `tcp://host:port` or "
+            "`file:///path`."),
+    Setting("GPUCOLL_TIMEOUT", float, 300.0,
+            "Seconds any blocking call (rendezvous, collective, point-to-point, barrier) may wait "
+            "before it raises `CommTimeoutError`."),
+    Setting("GPUCOLL_AUTH_TOKEN", str, "",
+            "Shared secret that authenticates every store and transport connection (HMAC "
+            "challenge; the token itself never crosses the wire). `gpucoll run` makes a fresh "
+            "one per job. Empty: connections are checked against the empty key."),
+    Setting("GPUCOLL_TRANSPORT", _choice("auto", "tcp", "unix"), "auto",
+            "Peer transport of the CPU backend: `auto` uses Unix domain sockets between ranks "
+            "on the same host and TCP across hosts; `tcp` forces TCP; `unix` forbids TCP."),
+    Setting("GPUCOLL_HOST", str, "",
+            "Address this rank publishes for TCP peers. Empty: the address of the interface "
+            "that routes to the store (MASTER_ADDR)."),
+    Setting("GPUCOLL_SOCKET_BUFFER", _parse_bytes, 4 << 20,
+            "SO_SNDBUF / SO_RCVBUF asked for on peer sockets (the kernel caps it at "
+            "net.core.wmem_max / rmem_max)."),
+    Setting("GPUCOLL_CHUNK_BYTES", _parse_bytes, 256 << 10,
+            "Pipelining granularity of the ring: bytes received before they are reduced."),
+    Setting("GPUCOLL_RING_THRESHOLD", _parse_bytes, 64 << 10,
+            "Messages of at least this many bytes use the ring all-reduce; smaller ones use "
+            "recursive doubling."),
+    Setting("GPUCOLL_ALGORITHM", str, "auto",
+            "Force algorithms, e.g. `all_reduce=ring` or `all_reduce=recursive_doubling,"
+            "broadcast=ring` (`auto`: chosen by size and world size)."),
+    Setting("GPUCOLL_DEBUG", _parse_bool, False,
+            "Check before every collective that all ranks called the same op with the same "
+            "dtype, shape, root and sequence number; raise `CollectiveMismatchError` otherwise."),
+    Setting("GPUCOLL_LAUNCHER_STORE", _parse_bool, False,
+            "Set by `gpucoll run`: the launcher serves the store at MASTER_ADDR:MASTER_PORT, so "
+            "rank 0 does not start one."),
+    Setting("GPUCOLL_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
+            "Level of the `gpucoll` logger."),
+]
+
+_LAUNCHERS = [
+    # torchrun / gpucoll run
+    Setting("RANK", int, None, "Global rank (torchrun, `gpucoll run`).", "torchrun"),
+    Setting("WORLD_SIZE", int, None, "Number of ranks (torchrun, `gpucoll run`).", "torchrun"),
+    Setting("LOCAL_RANK", int, None, "Rank on this host (torchrun, `gpucoll run`).", "torchrun"),
+    Setting("LOCAL_WORLD_SIZE", int, None, "Ranks on this host (torchrun, `gpucoll run`).", "torchrun"),
+    Setting("MASTER_ADDR", str, None, "Host of the rendezvous store.", "torchrun"),
+    Setting("MASTER_PORT", int, None, "Port of the rendezvous store.", "torchrun"),
+    # Slurm
+    Setting("SLURM_PROCID", int, None, "Global rank under `srun`.", "slurm"),
+    Setting("SLURM_NTASKS", int, None, "Number of ranks under `srun`.", "slurm"),
+    Setting("SLURM_LOCALID", int, None, "Rank on this node under `srun`.", "slurm"),
+    Setting("SLURM_NTASKS_PER_NODE", str, None, "Tasks per node under `srun` (e.g. `4` or `4(x2)`).", "slurm"),
+    Setting("SLURM_JOB_NODELIST", str, None, "Nodes of the job; the first one hosts the store when "
+            "MASTER_ADDR is unset.", "slurm"),
+    Setting("SLURM_JOB_ID", int, None, "Job id; MASTER_PORT defaults to 29500 + id % 1000 under Slurm.", "slurm"),
+    # Open MPI
+    Setting("OMPI_COMM_WORLD_RANK", int, None, "Global rank under Open MPI's `mpiexec`.", "openmpi"),
+    Setting("OMPI_COMM_WORLD_SIZE", int, None, "Number of ranks under Open MPI.", "openmpi"),
+    Setting("OMPI_COMM_WORLD_LOCAL_RANK", int, None, "Rank on this host under Open MPI.", "openmpi"),
+    Setting("OMPI_COMM_WORLD_LOCAL_SIZE", int, None, "Ranks on this host under Open MPI.", "openmpi"),
+    # MPICH / Hydra / PMI
+    Setting("PMI_RANK", int, None, "Global rank under MPICH (PMI).", "pmi"),
+    Setting("PMI_SIZE", int, None, "Number of ranks under MPICH (PMI).", "pmi"),
+    Setting("MPI_LOCALRANKID", int, None, "Rank on this host under MPICH (Hydra).", "pmi"),
+    Setting("MPI_LOCALNRANKS", int, None, "Ranks on this host under MPICH (Hydra).", "pmi"),
+]
+
+SETTINGS: Dict[str, Setting] = {s.name: s for s in _GPUCOLL + _LAUNCHERS}
+
+
+def _lookup(name: str) -> Setting:
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a declared gpucoll setting; add it to gpucoll.config.SETTINGS") from None
+
+
+def get_raw(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The variable's text, or None when it is unset (declared names only)."""
+    _lookup(name)
+    env = os.environ if environ is None else environ
+    return env.get(name)
+
+
+def is_set(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    text = get_raw(name, environ)
+    return text is not None and text.strip() != ""
+
+
+def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The typed value of a declared variable, or its default when unset or empty.
+
+    Raises:
+        KeyError: the name is not declared.
+        ValueError: the value does not parse; the message names the variable.
+    """
+    setting = _lookup(name)
+    text = get_raw(name, environ)
+    if text is None or text.strip() == "":
+        return setting.default
+    try:
+        return setting.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={text!r}: {exc}") from None
+
+
+def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """GPUCOLL_* variables in the environment that no setting declares (likely typos)."""
+    env = os.environ if environ is None else environ
+    return sorted(k for k in env if k.startswith("GPUCOLL_") and k not in SETTINGS)
+
+
+def markdown_table() -> str:
+    """The README's table of variables."""
+    lines = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    for setting in SETTINGS.values():
+        if setting.group != "gpucoll":
+            continue
+        default = "" if setting.default in (None, "") else f"`{setting.default}`"
+        lines.append(f"| `{setting.name}` | {setting.type_name} | {default} | {setting.doc} |")
+    lines.append("")
+    lines.append("Launcher variables read by `init()` (rank, size, local rank, store address):")
+    lines.append("")
+    groups: Dict[str, List[str]] = {}
+    for setting in SETTINGS.values():
+        if setting.group != "gpucoll":
+            groups.setdefault(setting.group, []).append(f"`{setting.name}`")
+    for group, names in groups.items():
+        lines.append(f"- {group}: {', '.join(names)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - documentation helper
+    sys.stdout.write(markdown_table() + "\n")

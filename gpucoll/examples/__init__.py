@@ -1,0 +1,1 @@
+"""Runnable examples: ``gpucoll run -n 4 -m gpucoll.examples.allreduce``."""

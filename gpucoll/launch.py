@@ -1,0 +1,515 @@
+"""``gpucoll run``: start the ranks of one node, serve their store, stop all of them on a failure.
+
+The launcher of node 0 serves the rendezvous store (:class:`~gpucoll.rendezvous.tcp_store.
+TCPStoreServer`) itself, so the ranks only connect to it (``GPUCOLL_LAUNCHER_STORE=1``). Each
+rank is ``sys.executable`` running the program in its own session (process group), with the
+torchrun variables set::
+
+    RANK = node_rank * nproc + local_rank     WORLD_SIZE = nnodes * nproc
+    LOCAL_RANK, LOCAL_WORLD_SIZE = nproc, GROUP_RANK = node_rank
+    MASTER_ADDR, MASTER_PORT, GPUCOLL_AUTH_TOKEN, GPUCOLL_LAUNCHER_STORE=1, PYTHONUNBUFFERED=1
+
+Every line a rank writes is copied to the launcher's stdout or stderr with a ``[rank R] ``
+prefix. The first rank that exits non-zero stops the job: every other rank's process group gets
+SIGTERM, then SIGKILL after a grace period, and the launcher ends with that rank's exit code and
+the last lines of its stderr. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
+the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124.
+
+Example::
+
+    from gpucoll.launch import LaunchConfig, run_job
+    code = run_job(LaunchConfig("train.py", args=["--epochs", "3"], nproc=4, timeout=600))
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
+
+from . import config
+from .errors import StoreError
+
+__all__ = [
+    "LaunchConfig",
+    "UsageError",
+    "run_job",
+    "launch",
+    "exit_code_of",
+    "describe_exit",
+    "DEFAULT_MULTI_NODE_PORT",
+    "KILL_GRACE",
+    "STDERR_TAIL_LINES",
+    "EXIT_TIMEOUT",
+]
+
+DEFAULT_MULTI_NODE_PORT = 29500
+KILL_GRACE = 3.0
+"""Seconds between SIGTERM and SIGKILL when ranks are stopped."""
+STDERR_TAIL_LINES = 50
+"""Lines of stderr kept per rank for the failure report."""
+EXIT_TIMEOUT = 124
+"""Exit code when ``timeout`` fires (as coreutils ``timeout``)."""
+EXIT_LAUNCH_FAILED = 1
+
+_REAP_TIMEOUT = 5.0  # seconds to wait for SIGKILLed ranks to be reaped
+_READER_JOIN_TIMEOUT = 2.0  # seconds to wait for a rank's pipes to drain once it is gone
+_POLL_INTERVAL = 0.1  # longest time a signal or the timeout waits to be noticed
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+class UsageError(ValueError):
+    """The launch request is invalid; raised before anything is started."""
+
+
+@dataclass
+class LaunchConfig:
+    """What to run and how (the ``gpucoll run`` options).
+
+    Attributes:
+        program: path of the script, or the module name when ``module`` is true.
+        args: arguments passed to the program untouched.
+        nproc: ranks started on this node.
+        module: run ``program`` as ``python -m program``.
+        nnodes: nodes in the job; each runs its own launcher with the same ``nproc``.
+        node_rank: this node's index (0 serves the store).
+        master_addr: host of the store. One node: the address the store binds (default
+            127.0.0.1). Several nodes: required; the store binds 0.0.0.0.
+        master_port: port of the store. Default: 0 (an ephemeral port) for one node,
+            29500 for several.
+        timeout: wall-clock limit of the whole job in seconds (None: no limit).
+        kill_grace: seconds between SIGTERM and SIGKILL when ranks are stopped.
+        env: base environment of the ranks (None: this process's environment).
+            ``GPUCOLL_AUTH_TOKEN`` is taken from it when set.
+        stdout: where prefixed rank stdout lines go (None: ``sys.stdout`` at run time).
+        stderr: where prefixed rank stderr lines and launcher messages go (None: ``sys.stderr``).
+    """
+
+    program: str
+    args: Sequence[str] = ()
+    nproc: int = 1
+    module: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    timeout: Optional[float] = None
+    kill_grace: float = KILL_GRACE
+    env: Optional[Mapping[str, str]] = None
+    stdout: Optional[TextIO] = None
+    stderr: Optional[TextIO] = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A validated :class:`LaunchConfig` with every default resolved."""
+
+    world_size: int
+    bind_host: Optional[str]  # None: this node does not serve the store
+    port: int
+    master_addr: str
+    token: str
+    command: Tuple[str, ...]
+    base_env: Dict[str, str]
+
+
+def _token_hint() -> str:
+    return (f"export the same secret on every node before running gpucoll, e.g. on each node:\n"
+            f"    export GPUCOLL_AUTH_TOKEN={secrets.token_hex(16)}")
+
+
+def _plan(cfg: LaunchConfig) -> _Plan:
+    """Check ``cfg`` and resolve its defaults.
+
+    Raises:
+        UsageError: the message says which value is wrong and why.
+    """
+    def need_int(name: str, value: object, low: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
+        return value
+
+    nproc = need_int("nproc (-n)", cfg.nproc, 1)
+    nnodes = need_int("nnodes", cfg.nnodes, 1)
+    node_rank = need_int("node_rank", cfg.node_rank, 0)
+    if node_rank >= nnodes:
+        raise UsageError(f"node_rank must be in [0, {nnodes - 1}] for nnodes={nnodes}, got {node_rank}")
+    if not cfg.program:
+        raise UsageError("missing the program to run: give script.py or -m module")
+    if cfg.module:
+        command = (sys.executable, "-m", cfg.program, *cfg.args)
+    else:
+        if not os.path.exists(cfg.program):
+            raise UsageError(f"program {cfg.program!r} does not exist")
+        command = (sys.executable, cfg.program, *cfg.args)
+    if cfg.timeout is not None and not cfg.timeout > 0:
+        raise UsageError(f"timeout must be > 0 seconds, got {cfg.timeout!r}")
+    if not cfg.kill_grace >= 0:
+        raise UsageError(f"kill_grace must be >= 0 seconds, got {cfg.kill_grace!r}")
+
+    port = cfg.master_port
+    if port is None:
+        port = 0 if nnodes == 1 else DEFAULT_MULTI_NODE_PORT
+    need_int("master_port", port, 0)
+    if port > 65535:
+        raise UsageError(f"master_port must be in [0, 65535], got {port}")
+
+    base_env = dict(os.environ if cfg.env is None else cfg.env)
+    token = config.get("GPUCOLL_AUTH_TOKEN", base_env)
+    if nnodes == 1:
+        master_addr = cfg.master_addr or "127.0.0.1"
+        bind_host: Optional[str] = master_addr
+        token = token or secrets.token_hex(16)
+    else:
+        if not cfg.master_addr:
+            raise UsageError(f"nnodes={nnodes} needs --master-addr: the address of node 0 that "
+                             f"every node can reach")
+        if port == 0:
+            raise UsageError("master_port 0 (ephemeral) works only with one node: the other "
+                             "nodes must know the port in advance")
+        if not token:
+            raise UsageError(f"nnodes={nnodes} needs GPUCOLL_AUTH_TOKEN, the secret that keeps "
+                             f"other users off the job's store; {_token_hint()}")
+        master_addr = cfg.master_addr
+        bind_host = "0.0.0.0" if node_rank == 0 else None
+    return _Plan(nnodes * nproc, bind_host, port, master_addr, token, command, base_env)
+
+
+def exit_code_of(returncode: int) -> int:
+    """Shell-style exit code of a child: itself, or 128 + N when signal N killed it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL"`` for a ``Popen.returncode``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"signal {name}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """Send ``signum`` to the process group led by ``pid``; a vanished group is fine."""
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ", ".join(str(rank) for rank in ranks)
+
+
+class _SignalTrap:
+    """Records SIGINT/SIGTERM/SIGHUP while the job runs (main thread only; elsewhere inert)."""
+
+    def __init__(self) -> None:
+        self.received: List[int] = []
+        self._previous: Dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+
+    def __enter__(self) -> "_SignalTrap":
+        if threading.current_thread() is threading.main_thread():
+            for name in _STOP_SIGNALS:
+                signum = getattr(signal, name, None)
+                if signum is not None:
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+
+
+class _Rank:
+    """One spawned rank: its process, reader threads and stderr tail."""
+
+    def __init__(self, rank: int, local_rank: int, proc: subprocess.Popen):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.proc = proc
+        self.returncode: Optional[int] = None
+        self.stopped = False  # still running when the launcher began stopping the job
+        self.stderr_tail: Deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.threads: List[threading.Thread] = []
+
+
+class _Job:
+    """Runs one node's ranks from spawn to report; see :func:`run_job`."""
+
+    def __init__(self, cfg: LaunchConfig, plan: _Plan):
+        self.cfg = cfg
+        self.plan = plan
+        self.out = cfg.stdout if cfg.stdout is not None else sys.stdout
+        self.err = cfg.stderr if cfg.stderr is not None else sys.stderr
+        self.lock = threading.Lock()  # one writer at a time, so lines never interleave
+        self.ranks: List[_Rank] = []
+        self.exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()  # (local rank, returncode)
+
+    # -- output ---------------------------------------------------------------------------
+
+    def _write(self, stream: TextIO, text: str) -> None:
+        with self.lock:
+            try:
+                stream.write(text)
+                stream.flush()
+            except (OSError, ValueError):  # closed or broken pipe: keep draining the ranks
+                pass
+
+    def say(self, message: str) -> None:
+        """Write a launcher message to stderr."""
+        self._write(self.err, f"gpucoll run: {message}\n")
+
+    def _pump(self, pipe, stream: TextIO, prefix: str, tail: Optional[Deque[str]]) -> None:
+        try:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if tail is not None:
+                    tail.append(line)
+                self._write(stream, f"{prefix}{line}\n")
+        except (OSError, ValueError):
+            pass
+        finally:
+            pipe.close()
+
+    def _watch(self, rank: _Rank) -> None:
+        self.exits.put((rank.local_rank, rank.proc.wait()))
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    def _rank_env(self, port: int, local_rank: int) -> Dict[str, str]:
+        cfg, plan = self.cfg, self.plan
+        env = dict(plan.base_env)
+        env.update({
+            "RANK": str(cfg.node_rank * cfg.nproc + local_rank),
+            "WORLD_SIZE": str(plan.world_size),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(cfg.nproc),
+            "GROUP_RANK": str(cfg.node_rank),
+            "MASTER_ADDR": plan.master_addr,
+            "MASTER_PORT": str(port),
+            "GPUCOLL_AUTH_TOKEN": plan.token,
+            "GPUCOLL_LAUNCHER_STORE": "1",
+            "PYTHONUNBUFFERED": "1",
+        })
+        return env
+
+    def _spawn(self, port: int, trap: _SignalTrap) -> None:
+        for local_rank in range(self.cfg.nproc):
+            if trap.received:
+                return
+            proc = subprocess.Popen(
+                self.plan.command, env=self._rank_env(port, local_rank), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            rank = _Rank(self.cfg.node_rank * self.cfg.nproc + local_rank, local_rank, proc)
+            self.ranks.append(rank)
+            prefix = f"[rank {rank.rank}] "
+            rank.threads = [
+                threading.Thread(target=self._pump, args=(proc.stdout, self.out, prefix, None),
+                                 name=f"gpucoll-rank{rank.rank}-stdout", daemon=True),
+                threading.Thread(target=self._pump, args=(proc.stderr, self.err, prefix, rank.stderr_tail),
+                                 name=f"gpucoll-rank{rank.rank}-stderr", daemon=True),
+            ]
+            for thread in rank.threads:
+                thread.start()
+            threading.Thread(target=self._watch, args=(rank,), name=f"gpucoll-rank{rank.rank}-wait",
+                             daemon=True).start()
+
+    def _record_exits(self, timeout: float) -> Optional[_Rank]:
+        """Take one exit notice (waiting up to ``timeout``); return its rank, or None."""
+        try:
+            local_rank, returncode = self.exits.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        rank = self.ranks[local_rank]
+        rank.returncode = returncode
+        return rank
+
+    def _alive(self) -> List[_Rank]:
+        return [rank for rank in self.ranks if rank.returncode is None]
+
+    def _monitor(self, trap: _SignalTrap, deadline: Optional[float]) -> Tuple[str, Optional[_Rank]]:
+        """Wait until every rank exited 0, one failed, a signal came or the deadline passed.
+
+        Returns:
+            ("ok" | "failed" | "signal" | "timeout", the failed rank or None).
+        """
+        while self._alive():
+            if trap.received:
+                return "signal", None
+            wait = _POLL_INTERVAL
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return "timeout", None
+                wait = min(wait, remaining)
+            rank = self._record_exits(wait)
+            if rank is not None and rank.returncode != 0:
+                return "failed", rank
+        return "ok", None
+
+    def stop_all(self, trap: _SignalTrap) -> None:
+        """SIGTERM every rank's process group, SIGKILL after the grace, reap (bounded).
+
+        A signal that reaches the launcher during the grace period skips the rest of it.
+        """
+        while self._record_exits(0.0) is not None:  # ranks that already ended on their own
+            pass
+        for rank in self._alive():
+            rank.stopped = True
+        signals_before = len(trap.received)
+        # Failed ranks too: children they left behind share their group. Groups of ranks that
+        # ended well are left alone (their ids may belong to someone else by now).
+        groups = [rank.proc.pid for rank in self.ranks if rank.returncode != 0]
+        for pid in groups:
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.kill_grace
+        while self._alive() and len(trap.received) == signals_before:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._record_exits(min(remaining, _POLL_INTERVAL))
+        for pid in groups:
+            _signal_group(pid, signal.SIGKILL)
+        deadline = time.monotonic() + _REAP_TIMEOUT
+        while self._alive() and time.monotonic() < deadline:
+            self._record_exits(_POLL_INTERVAL)
+
+    def join_readers(self) -> None:
+        deadline = time.monotonic() + _READER_JOIN_TIMEOUT
+        for rank in self.ranks:
+            for thread in rank.threads:
+                thread.join(max(deadline - time.monotonic(), 0.0))
+
+    def _report_failure(self, failed: _Rank) -> None:
+        stopped = [rank.rank for rank in self.ranks if rank.stopped]
+        others = [f"{rank.rank} ({describe_exit(rank.returncode)})" for rank in self.ranks
+                  if rank is not failed and not rank.stopped and rank.returncode not in (0, None)]
+        message = f"rank {failed.rank} failed ({describe_exit(failed.returncode)})"
+        if stopped:
+            message += f"; stopped ranks {_ranks_text(stopped)}"
+        if others:
+            message += f"; also failed: {', '.join(others)}"
+        self.say(message)
+        if failed.stderr_tail:
+            lines = list(failed.stderr_tail)
+            self.say(f"last {len(lines)} stderr lines of rank {failed.rank}:")
+            self._write(self.err, "".join(f"[rank {failed.rank}] {line}\n" for line in lines))
+        else:
+            self.say(f"rank {failed.rank} wrote nothing to stderr")
+
+    def _unreaped_warning(self) -> None:
+        left = [rank for rank in self.ranks if rank.returncode is None]
+        if left:
+            self.say("ranks " + _ranks_text([rank.rank for rank in left]) + " (pids "
+                     + _ranks_text([rank.proc.pid for rank in left]) + ") survived SIGKILL "
+                     f"for {_REAP_TIMEOUT:g} s (uninterruptible?); they were killed but not reaped")
+
+    def run(self) -> int:
+        plan = self.plan
+        with _SignalTrap() as trap:
+            server = None
+            port = plan.port
+            if plan.bind_host is not None:
+                from .rendezvous.tcp_store import TCPStoreServer  # imported lazily: cli stays light
+
+                try:
+                    server = TCPStoreServer(host=plan.bind_host, port=plan.port, token=plan.token)
+                except (StoreError, OSError) as exc:
+                    self.say(f"{exc}; pick another --master-port (0: any free port, one node only)")
+                    return EXIT_LAUNCH_FAILED
+                port = server.port
+            stopped = False
+            try:
+                start = time.monotonic()
+                deadline = None if self.cfg.timeout is None else start + self.cfg.timeout
+                try:
+                    self._spawn(port, trap)
+                except OSError as exc:
+                    first = self.cfg.node_rank * self.cfg.nproc + len(self.ranks)
+                    self.say(f"cannot start rank {first} ({plan.command[0]}): {exc}")
+                    outcome, failed = "spawn", None
+                else:
+                    outcome, failed = self._monitor(trap, deadline)
+                running = [rank.rank for rank in self._alive()]
+                if outcome != "ok":
+                    self.stop_all(trap)
+                    stopped = True
+                self.join_readers()
+            finally:
+                if not stopped and self._alive():  # an unexpected error: never leave orphans
+                    self.stop_all(trap)
+                if server is not None:
+                    server.close()
+
+            if outcome == "ok":
+                return 0
+            if outcome == "failed":
+                assert failed is not None and failed.returncode is not None
+                self._report_failure(failed)
+                code = exit_code_of(failed.returncode)
+            elif outcome == "timeout":
+                self.say(f"timed out after {self.cfg.timeout:g} s; ranks still running: "
+                         f"{_ranks_text(running)} (stopped)")
+                code = EXIT_TIMEOUT
+            elif outcome == "signal":
+                signum = trap.received[0]
+                what = f"stopped ranks {_ranks_text(running)}" if running else "no rank was running"
+                self.say(f"interrupted by {_signal_name(signum)}; {what}")
+                code = 128 + signum
+            else:
+                code = EXIT_LAUNCH_FAILED
+            self._unreaped_warning()
+            return code
+
+
+def run_job(cfg: LaunchConfig) -> int:
+    """Run one node's share of a job and return the launcher's exit code.
+
+    Blocks until every rank has exited. Called from the main thread, it handles SIGINT, SIGTERM
+    and SIGHUP for the duration (stopping the ranks and returning 128 + signal number) and then
+    restores the previous handlers.
+
+    Args:
+        cfg: what to run; see :class:`LaunchConfig`.
+
+    Returns:
+        0 when every rank exited 0; the first failed rank's exit code (128 + N for signal N);
+        124 when ``cfg.timeout`` passed; 128 + N when signal N stopped the launcher;
+        1 when the store or a rank could not be started.
+
+    Raises:
+        UsageError: ``cfg`` is invalid (nothing was started).
+    """
+    return _Job(cfg, _plan(cfg)).run()
+
+
+def launch(program: str, args: Sequence[str] = (), *, nproc: int = 1, module: bool = False,
+           **options: object) -> int:
+    """Shorthand for ``run_job(LaunchConfig(program, args, nproc, module, **options))``.
+
+    Example::
+
+        assert launch("worker.py", ["--size", "1024"], nproc=3, timeout=60) == 0
+    """
+    return run_job(LaunchConfig(program, tuple(args), nproc, module, **options))  # type: ignore[arg-type]

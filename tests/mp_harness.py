@@ -1,0 +1,195 @@
+"""Multi-process test harness: real processes, real sockets on loopback, hard timeouts.
+
+* ``RankPool(world_size)`` keeps ``world_size`` rank processes alive, each with one
+  communicator, and runs a module-level function ``fn(comm, *args)`` on every rank per call, so
+  a sweep of hundreds of cases costs one process start per world size.
+* ``run_ranks(fn, world_size, ...)`` starts fresh processes for one call; use it for tests
+  that break communicators on purpose (dead ranks, timeouts, wrong tokens).
+
+Both kill every rank on the first failure or at the deadline and raise ``RankFailure``
+carrying the failing rank's traceback; a rank that hangs dumps its threads' stacks
+(faulthandler) to stderr before it is killed.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+_CTX = mp.get_context("spawn")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class RankFailure(AssertionError):
+    """A rank raised, died or hung; the message carries its traceback."""
+
+
+def _worker(rank: int, size: int, url: Optional[str], env: Dict[str, str], tasks, results,
+            do_init: bool, hang_timeout: float) -> None:
+    os.environ.update(env)
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    faulthandler.dump_traceback_later(hang_timeout, exit=True)
+    comm = None
+    try:
+        if do_init:
+            import gpucoll
+
+            comm = gpucoll.init(backend="cpu", rank=rank, world_size=size, url=url,
+                                timeout=float(env.get("GPUCOLL_TIMEOUT", "30")))
+        results.put(("ready", rank, None))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        faulthandler.dump_traceback_later(hang_timeout, exit=True)
+        try:
+            value = fn(comm, *args) if do_init else fn(rank, size, url, *args)
+            results.put(("ok", rank, value))
+        except BaseException:
+            results.put(("error", rank, traceback.format_exc()))
+    faulthandler.cancel_dump_traceback_later()
+    if comm is not None:
+        try:
+            comm.close(timeout=10)
+        except Exception:
+            pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankPool:
+    """``world_size`` live rank processes with a communicator each (see module doc)."""
+
+    def __init__(self, world_size: int, env: Optional[Dict[str, str]] = None,
+                 timeout: float = 60.0, do_init: bool = True, serve_store: bool = True):
+        from gpucoll.rendezvous import TCPStoreServer
+
+        self.world_size = world_size
+        self.token = secrets.token_hex(8)
+        self.server = TCPStoreServer("127.0.0.1", 0, token=self.token) if serve_store else None
+        port = self.server.port if self.server else _free_port()
+        self.url = f"tcp://127.0.0.1:{port}"
+        child_env = {"GPUCOLL_AUTH_TOKEN": self.token, "GPUCOLL_TIMEOUT": "30"}
+        if serve_store:
+            child_env["GPUCOLL_LAUNCHER_STORE"] = "1"
+        child_env.update(env or {})
+        self.env = child_env
+        self.results = _CTX.Queue()
+        self.tasks = [_CTX.Queue() for _ in range(world_size)]
+        self.procs = [
+            _CTX.Process(target=_worker, daemon=True,
+                         args=(r, world_size, self.url, child_env, self.tasks[r], self.results,
+                               do_init, timeout))
+            for r in range(world_size)]
+        for proc in self.procs:
+            proc.start()
+        self.alive = True
+        if do_init:
+            self._collect("ready", timeout)
+
+    def _collect(self, kind: str, timeout: float, expect: Optional[List[int]] = None) -> List[Any]:
+        expect = list(range(self.world_size)) if expect is None else expect
+        values: Dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) < len(expect):
+            remaining = deadline - time.monotonic()
+            try:
+                status, rank, value = self.results.get(timeout=max(min(remaining, 1.0), 0.01))
+            except queue.Empty:
+                dead = [r for r in expect if not self.procs[r].is_alive() and r not in values]
+                if dead or remaining <= 0:
+                    self.kill()
+                    what = (f"rank(s) {dead} died (exit codes "
+                            f"{[self.procs[r].exitcode for r in dead]})" if dead else
+                            f"ranks {sorted(set(expect) - set(values))} did not answer within "
+                            f"{timeout:g} s (stacks were dumped to stderr)")
+                    raise RankFailure(what) from None
+                continue
+            if status != kind and status != "error":
+                continue  # e.g. "ready" from ranks that set up nothing
+            if status == "error":
+                self.kill()
+                raise RankFailure(f"rank {rank} failed:\n{value}")
+            values[rank] = value
+        return [values[r] for r in expect]
+
+    def run(self, fn: Callable, *args, timeout: float = 60.0) -> List[Any]:
+        """Run ``fn(comm, *args)`` on every rank; return the per-rank results (rank order)."""
+        if not self.alive:
+            raise RankFailure("the rank pool was killed by an earlier failure")
+        for q in self.tasks:
+            q.put((fn, args))
+        return self._collect("ok", timeout)
+
+    def kill(self) -> None:
+        self.alive = False
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(5)
+        if self.server is not None:
+            self.server.close()
+
+    def close(self) -> None:
+        if self.alive:
+            for q in self.tasks:
+                q.put(None)
+            for proc in self.procs:
+                proc.join(15)
+        self.kill()
+
+
+def run_ranks(fn: Callable, world_size: int, *args, env: Optional[Dict[str, str]] = None,
+              timeout: float = 60.0, init: bool = True, serve_store: bool = True,
+              ranks: Optional[List[int]] = None) -> List[Any]:
+    """Run ``fn`` once in fresh processes and return per-rank results.
+
+    With ``init=True`` ranks call ``fn(comm, *args)``; with ``init=False`` they call
+    ``fn(rank, world_size, url, *args)`` and set up (or fail to set up) gpucoll themselves.
+    ``ranks`` lists the ranks expected to answer (default all); others may die on purpose.
+    """
+    pool = RankPool(world_size, env=env, timeout=timeout, do_init=False, serve_store=serve_store)
+    try:
+        if init:
+            for q in pool.tasks:
+                q.put((_init_then, (fn,) + args))
+        else:
+            for q in pool.tasks:
+                q.put((fn, args))
+        for q in pool.tasks:
+            q.put(None)
+        return pool._collect("ok", timeout, expect=ranks)
+    finally:
+        pool.kill()
+
+
+def _init_then(rank: int, size: int, url: str, fn: Callable, *args) -> Any:
+    import gpucoll
+
+    comm = gpucoll.init(backend="cpu", rank=rank, world_size=size, url=url)
+    try:
+        return fn(comm, *args)
+    finally:
+        try:
+            comm.close(timeout=10)
+        except Exception:
+            pass

@@ -1,0 +1,344 @@
+"""Every collective of the CPU backend against a NumPy reference, in real processes.
+
+World sizes 1, 2, 3 and 4; counts 0, 1, a prime and a multi-chunk size (beyond the ring
+threshold and the pipelining chunk); every root; in place and ``out=``; every op and dtype
+family. Ranks return their outputs; the test recomputes the expected ones with NumPy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mp_harness import RankPool
+from reference import (ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, OPS, assert_equal_result, make_input,
+                       op_valid, reduce_reference)
+
+pytestmark = pytest.mark.timeout(300)
+
+COUNTS = [0, 1, 13, 100_003]
+BIG = 100_003
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
+def pool(request):
+    pool = RankPool(request.param)
+    yield pool
+    pool.close()
+
+
+# ---------------------------------------------------------------- rank-side functions
+def rank_all_reduce(comm, cases):
+    out = {}
+    for case_id, shape, dtype, op, mode in cases:
+        x = make_input(case_id, comm.rank, shape, dtype, op)
+        if mode == "inplace":
+            result = comm.all_reduce(x, op=op)
+            assert result is x
+        else:
+            keep = x.copy()
+            target = np.full(shape, 77, dtype=dtype)
+            result = comm.all_reduce(x, op=op, out=target)
+            assert result is target
+            np.testing.assert_array_equal(x, keep)  # input untouched out of place
+        out[case_id] = result
+    return out
+
+
+def rank_rooted(comm, name, cases):
+    out = {}
+    for case_id, shape, dtype, op, root, mode in cases:
+        x = make_input(case_id, comm.rank, shape, dtype, op)
+        keep = x.copy()
+        if name == "broadcast":
+            if comm.rank != root:
+                x[...] = 0 if dtype != "bool" else False
+            result = comm.broadcast(x, root=root)
+            assert result is x
+        elif name == "reduce":
+            target = np.zeros(shape, dtype) if mode == "out" else None
+            result = comm.reduce(x, root=root, op=op, out=target)
+            if comm.rank != root:
+                assert result is None
+                np.testing.assert_array_equal(x, keep)  # non-roots keep their input
+            elif mode == "out":
+                assert result is target
+                np.testing.assert_array_equal(x, keep)
+            else:
+                assert result is x
+        elif name == "gather":
+            target = np.zeros((comm.size,) + tuple(shape), dtype) if mode == "out" else None
+            result = comm.gather(x, root=root, out=target)
+            if comm.rank != root:
+                assert result is None
+            elif mode == "out":
+                assert result is target
+        elif name == "scatter":
+            full = np.stack([make_input(case_id, r, shape, dtype, op) for r in range(comm.size)])
+            if comm.rank == root:
+                target = np.zeros(shape, dtype) if mode == "out" else None
+                result = comm.scatter(full, root=root, out=target)
+            else:  # non-roots pass only the chunk buffer
+                result = comm.scatter(None, root=root, out=np.zeros(shape, dtype))
+            assert result.shape == tuple(shape)
+        out[case_id] = result
+    return out
+
+
+def rank_gather_like(comm, name, cases):
+    out = {}
+    for case_id, shape, dtype, op, mode in cases:
+        if name == "all_gather":
+            x = make_input(case_id, comm.rank, shape, dtype, op)
+            target = np.zeros((comm.size,) + tuple(shape), dtype) if mode == "out" else None
+            result = comm.all_gather(x, out=target)
+        elif name == "reduce_scatter":
+            x = make_input(case_id, comm.rank, (comm.size,) + tuple(shape), dtype, op)
+            keep = x.copy()
+            target = np.zeros(shape, dtype) if mode == "out" else None
+            result = comm.reduce_scatter(x, op=op, out=target)
+            np.testing.assert_array_equal(x, keep)
+        else:  # all_to_all
+            x = make_input(case_id, comm.rank, (comm.size,) + tuple(shape), dtype, op)
+            target = np.zeros((comm.size,) + tuple(shape), dtype) if mode == "out" else None
+            result = comm.all_to_all(x, out=target)
+        if target is not None:
+            assert result is target
+        out[case_id] = result
+    return out
+
+
+# ---------------------------------------------------------------- helpers
+def _check(results, expected_of, cases, op_index=3):
+    for rank, by_case in enumerate(results):
+        for case in cases:
+            expected = expected_of(case, rank)
+            if expected is None:
+                assert by_case[case[0]] is None, f"rank {rank} case {case}: expected None"
+                continue
+            assert_equal_result(by_case[case[0]], expected, f"rank {rank} case {case}",
+                                op=case[op_index])
+
+
+def _stack(case_id, size, shape, dtype, op):
+    return np.stack([make_input(case_id, r, shape, dtype, op) for r in range(size)])
+
+
+# ---------------------------------------------------------------- tests
+def test_all_reduce_every_op_and_dtype(pool):
+    cases, case_id = [], 1000
+    for dtype in ALL_DTYPES:
+        for op in OPS:
+            if not op_valid(op, dtype):
+                continue
+            for count in (0, 1, 13):
+                case_id += 1
+                cases.append((case_id, (count,), dtype, op, "inplace" if case_id % 2 else "out"))
+    results = pool.run(rank_all_reduce, cases)
+    _check(results, lambda c, r: reduce_reference(_stack(c[0], pool.world_size, c[1], c[2], c[3]),
+                                                  c[3]), cases)
+    # every rank holds bitwise-identical results
+    for case in cases:
+        for rank in range(1, pool.world_size):
+            assert results[rank][case[0]].tobytes() == results[0][case[0]].tobytes()
+
+
+def test_all_reduce_large_multi_chunk(pool):
+    cases = []
+    for i, (dtype, op) in enumerate([("float32", "sum"), ("float64", "avg"), ("int32", "max"),
+                                     ("int64", "bxor"), ("float16", "sum"), ("uint8", "min"),
+                                     ("complex64", "prod")]):
+        cases.append((2000 + i, (BIG,), dtype, op, "inplace" if i % 2 else "out"))
+    cases.append((2100, (317, 331), "float32", "sum", "inplace"))  # 2-D, 420 KB
+    results = pool.run(rank_all_reduce, cases)
+    _check(results, lambda c, r: reduce_reference(_stack(c[0], pool.world_size, c[1], c[2], c[3]),
+                                                  c[3]), cases)
+    for case in cases:
+        for rank in range(1, pool.world_size):
+            assert results[rank][case[0]].tobytes() == results[0][case[0]].tobytes()
+
+
+def test_all_reduce_forced_algorithms():
+    """Both all-reduce algorithms over real sockets at a non-power-of-two size."""
+    for algorithm in ("ring", "recursive_doubling"):
+        pool = RankPool(3, env={"GPUCOLL_ALGORITHM": f"all_reduce={algorithm}"})
+        try:
+            cases = [(3000 + c, (c,), "float32", "sum", "inplace") for c in (0, 1, 13, BIG)]
+            cases += [(3100 + c, (c,), "int16", "max", "out") for c in (2, 7, BIG)]
+            results = pool.run(rank_all_reduce, cases)
+            _check(results, lambda c, r: reduce_reference(_stack(c[0], 3, c[1], c[2], c[3]), c[3]),
+                   cases)
+        finally:
+            pool.close()
+
+
+@pytest.mark.parametrize("name", ["broadcast", "reduce", "gather", "scatter"])
+def test_rooted_collectives_every_root(pool, name):
+    n = pool.world_size
+    cases, case_id = [], 4000
+    for root in range(n):
+        for count in COUNTS:
+            for dtype, op in (("float32", "sum"), ("int64", "max"), ("bool", "sum")):
+                if count == BIG and dtype != "float32":
+                    continue
+                case_id += 1
+                shape = (count,) if case_id % 3 else (1, count)
+                cases.append((case_id, shape, dtype, op, root, "out" if case_id % 2 else "inplace"))
+    if name == "reduce":
+        cases += [(4900 + i, (13,), "int32", op, i % n, "out") for i, op in
+                  enumerate(["prod", "min", "avg", "band", "bor", "bxor"])]
+    results = pool.run(rank_rooted, name, cases)
+
+    def expected(case, rank):
+        case_id, shape, dtype, op, root, _ = case
+        if name == "broadcast":
+            return make_input(case_id, root, shape, dtype, op)
+        if name == "reduce":
+            if rank != root:
+                return None
+            return reduce_reference(_stack(case_id, n, shape, dtype, op), op)
+        if name == "gather":
+            return _stack(case_id, n, shape, dtype, op) if rank == root else None
+        return make_input(case_id, rank, shape, dtype, op)  # scatter: block `rank`
+
+    _check(results, expected, cases)
+
+
+@pytest.mark.parametrize("name", ["all_gather", "reduce_scatter", "all_to_all"])
+def test_gather_like_collectives(pool, name):
+    n = pool.world_size
+    cases, case_id = [], 5000
+    for count in (0, 1, 13, BIG // n):
+        for dtype in ("float32", "int8", "complex128", "bool"):
+            for op in (["sum", "max", "bxor", "avg"] if name == "reduce_scatter" else ["sum"]):
+                if not op_valid(op, dtype) or (count > 13 and dtype != "float32"):
+                    continue
+                case_id += 1
+                shape = (count,) if case_id % 2 else (1, count)
+                cases.append((case_id, shape, dtype, op, "out" if case_id % 3 else "new"))
+    results = pool.run(rank_gather_like, name, cases)
+
+    def expected(case, rank):
+        case_id, shape, dtype, op, _ = case
+        if name == "all_gather":
+            return _stack(case_id, n, shape, dtype, op)
+        full = [make_input(case_id, r, (n,) + tuple(shape), dtype, op) for r in range(n)]
+        if name == "reduce_scatter":
+            return reduce_reference(np.stack([f[rank] for f in full]), op)
+        return np.stack([full[src][rank] for src in range(n)])  # all_to_all
+
+    _check(results, expected, cases)
+
+
+def rank_p2p(comm, count):
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return None
+    right, left = (r + 1) % n, (r - 1) % n
+    # blocking send/recv with tags, in an order that cannot deadlock: even ranks send first
+    mine = make_input(6000, r, (13,), "int32")
+    got = np.zeros(13, np.int32)
+    if r % 2 == 0:
+        comm.send(mine, right, tag=5)
+        comm.recv(got, left, tag=5)
+    else:
+        comm.recv(got, left, tag=5)
+        comm.send(mine, right, tag=5)
+    # large isend/irecv in both directions at once: must not deadlock
+    big = make_input(6001, r, (count,), "float64")
+    inbox = np.zeros(count, np.float64)
+    send_work = comm.isend(big, right, tag=1)
+    recv_work = comm.irecv(inbox, left, tag=1)
+    assert recv_work.wait() is True and send_work.wait() is True
+    assert send_work.is_completed() and send_work.exception() is None
+    # several messages on one channel arrive in order
+    works = [comm.isend(np.full(3, i, np.int16), right) for i in range(4)]
+    received = []
+    for _ in range(4):
+        buf = np.zeros(3, np.int16)
+        comm.recv(buf, left)
+        received.append(int(buf[0]))
+    for work in works:
+        work.wait()
+    return got, inbox, received
+
+
+def test_point_to_point_ring(pool):
+    n = pool.world_size
+    results = pool.run(rank_p2p, 300_007)
+    if n == 1:
+        return
+    for r, (got, inbox, order) in enumerate(results):
+        left = (r - 1) % n
+        np.testing.assert_array_equal(got, make_input(6000, left, (13,), "int32"))
+        np.testing.assert_array_equal(inbox, make_input(6001, left, (300_007,), "float64"))
+        assert order == [0, 1, 2, 3]
+
+
+def rank_async_and_barrier(comm):
+    xs = [make_input(7000 + i, comm.rank, (1000 * (i + 1),), "float32") for i in range(3)]
+    works = [comm.all_reduce(x, async_op=True) for x in xs]
+    y = make_input(7100, comm.rank, (5,), "int32")
+    comm.all_reduce(y, op="max")  # blocking op issued after async ones: runs after them
+    for work in works:
+        assert work.wait(timeout=30)
+        assert work.is_completed()
+    results = [work.result() for work in works]
+    for x, result in zip(xs, results):
+        assert result is x
+    comm.barrier(timeout=10)
+    b = make_input(7200, 0, (4,), "float64") if comm.rank == 0 else np.zeros(4)
+    comm.broadcast(b, async_op=True).wait()
+    return xs, y, b
+
+
+def test_async_ops_and_barrier(pool):
+    n = pool.world_size
+    results = pool.run(rank_async_and_barrier)
+    for xs, y, b in results:
+        for i, x in enumerate(xs):
+            assert_equal_result(x, reduce_reference(_stack(7000 + i, n, (1000 * (i + 1),), "float32",
+                                                           "sum"), "sum"), f"async {i}")
+        assert_equal_result(y, reduce_reference(_stack(7100, n, (5,), "int32", "sum"), "max"), "y")
+        assert_equal_result(b, make_input(7200, 0, (4,), "float64"), "broadcast")
+
+
+def rank_split(comm):
+    evens = comm.new_group([r for r in range(comm.size) if r % 2 == 0])
+    info = {"world": (comm.rank, comm.size)}
+    if evens is not None:
+        x = np.array([comm.rank], np.int64)
+        evens.all_reduce(x)
+        info["evens"] = (evens.rank, evens.size, int(x[0]))
+        evens.close()
+    else:
+        info["evens"] = None
+    halves = comm.split(color=comm.rank % 2, key=-comm.rank)  # reversed order inside each half
+    y = np.array([comm.rank], np.int64)
+    gathered = halves.all_gather(y)
+    info["halves"] = (halves.rank, halves.size, gathered.ravel().tolist())
+    halves.close()
+    none = comm.split(color=None if comm.rank == 0 else 1)
+    info["none"] = None if none is None else none.size
+    if none is not None:
+        none.close()
+    # the parent still works after its children are gone
+    z = np.ones(2)
+    comm.all_reduce(z)
+    info["after"] = z.tolist()
+    return info
+
+
+def test_split_and_new_group(pool):
+    n = pool.world_size
+    results = pool.run(rank_split)
+    evens = [r for r in range(n) if r % 2 == 0]
+    for r, info in enumerate(results):
+        if r % 2 == 0:
+            assert info["evens"] == (evens.index(r), len(evens), sum(evens))
+        else:
+            assert info["evens"] is None
+        half = sorted([q for q in range(n) if q % 2 == r % 2], reverse=True)
+        assert info["halves"] == (half.index(r), len(half), half)
+        assert info["none"] == (None if r == 0 else n - 1)
+        assert info["after"] == [float(n)] * 2
