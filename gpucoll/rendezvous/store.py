@@ -119,5 +119,10 @@ class PrefixStore(Store):
     def wait(self, keys: Sequence[str], timeout: Optional[float] = None) -> None:
         self.store.wait([self._key(k) for k in keys], timeout)
 
+    def missing(self, keys: Iterable[str]) -> List[str]:
+        keys = list(keys)
+        absent = set(self.store.missing([self._key(k) for k in keys]))
+        return [k for k in keys if self._key(k) in absent]
+
     def close(self) -> None:
         """A prefix view never closes the store it wraps."""

@@ -168,32 +168,38 @@ class SocketTransport(Transport):
                 tcp_listener.listen(size)
                 listeners.append(("tcp", tcp_listener))
                 me["tcp"] = [advertise_host, tcp_listener.getsockname()[1]]
-            store.set(f"addr/{rank}", json.dumps(me).encode())
-            keys = [f"addr/{r}" for r in range(size)]
-            try:
-                store.wait(keys, max(deadline - time.monotonic(), 0.001))
-            except CommTimeoutError:
-                missing = [r for r in range(size) if not store.check([f"addr/{r}"])]
-                raise CommTimeoutError(
-                    f"rank {rank}: rank(s) {missing} of {size} did not join within {timeout:g} s",
-                    rank=rank, op="init") from None
-            peers = {r: json.loads(store.get(f"addr/{r}", 1.0)) for r in range(size) if r != rank}
-
             socks: Dict[int, socket.socket] = {}
             kinds: Dict[int, str] = {}
             accepted: Dict[int, Tuple[socket.socket, str]] = {}
             accept_error: List[BaseException] = []
             expected = set(range(rank + 1, size))
+            stop = threading.Event()
+            # Accept from the start: strangers knocking early are turned away while we wait.
             acceptor = threading.Thread(
                 target=cls._accept_peers,
-                args=(listeners, expected, accepted, accept_error, comm_id, token, deadline, size),
+                args=(listeners, expected, accepted, accept_error, comm_id, token, deadline, stop),
                 name=f"gpucoll-accept-{rank}", daemon=True)
             acceptor.start()
             try:
+                store.set(f"addr/{rank}", json.dumps(me).encode())
+                keys = [f"addr/{r}" for r in range(size)]
+                try:
+                    store.wait(keys, max(deadline - time.monotonic(), 0.001))
+                except CommTimeoutError:
+                    missing = [int(key.split("/")[1]) for key in store.missing(keys)]
+                    raise CommTimeoutError(
+                        f"rank {rank}: rank(s) {missing} of {size} did not join within "
+                        f"{timeout:g} s", rank=rank, op="init") from None
+                peers = {r: json.loads(store.get(f"addr/{r}", 1.0)) for r in range(size) if r != rank}
                 for peer in range(rank):
                     sock, kind = cls._connect_peer(peers[peer], me, peer, rank, comm_id, token,
                                                    deadline, mode)
                     socks[peer], kinds[peer] = sock, kind
+            except BaseException:
+                stop.set()
+                for sock in socks.values():
+                    sock.close()
+                raise
             finally:
                 acceptor.join(max(deadline - time.monotonic(), 0) + 1.0)
             if accept_error:
@@ -254,7 +260,7 @@ class SocketTransport(Transport):
                         rank=rank, peer=peer, op="init")
 
     @staticmethod
-    def _accept_peers(listeners, expected, accepted, errors, comm_id, token, deadline, size):
+    def _accept_peers(listeners, expected, accepted, errors, comm_id, token, deadline, stop):
         try:
             selector_map = {listener.fileno(): (kind, listener) for kind, listener in listeners}
             poller = select.poll()
@@ -262,7 +268,9 @@ class SocketTransport(Transport):
                 poller.register(fd, select.POLLIN)
             while expected - set(accepted):
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or stop.is_set():
+                    for sock, _ in accepted.values():
+                        sock.close()
                     return
                 for fd, _ in poller.poll(min(remaining, 0.5) * 1000):
                     kind, listener = selector_map[fd]
