@@ -84,7 +84,7 @@ def check_op_dtype(op: ReduceOp, dtype) -> None:
     if op in (ReduceOp.MIN, ReduceOp.MAX) and kind == "c":
         raise TypeError(f"op {op.value} is undefined for complex dtype {dt.name}")
     if op is ReduceOp.AVG and kind == "b":
-        raise TypeError(f"op avg is undefined for dtype bool")
+        raise TypeError("op avg is undefined for dtype bool")
 
 
 _UFUNCS = {

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from mp_harness import RankPool
-from reference import (ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, OPS, assert_equal_result, make_input,
-                       op_valid, reduce_reference)
+from reference import ALL_DTYPES, OPS, assert_equal_result, make_input, op_valid, reduce_reference
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,8 +19,8 @@ import logging
 import struct
 import threading
 import time
-from collections import defaultdict, deque
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections import defaultdict
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -33,94 +33,12 @@ from ..transports.base import OP_CODES, Frame, Recv
 from ..transports.socket import SocketTransport
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
 from ..work import Work
+from .ordering import Channel, OpOrder
+from .staging import Staged
 
 __all__ = ["CPUCommunicator"]
 
 log = logging.getLogger("gpucoll")
-
-Channel = Tuple[str, int]
-
-
-class _OpOrder:
-    """Issue-order queues per channel (see module doc)."""
-
-    def __init__(self, rank: int, size: int):
-        self._cond = threading.Condition()
-        self._queues: Dict[Channel, deque] = defaultdict(deque)
-        self._next = 0
-        self.all_channels: List[Channel] = [(d, p) for p in range(size) if p != rank
-                                            for d in ("send", "recv")]
-
-    def issue(self, channels: Sequence[Channel]) -> Tuple[int, Sequence[Channel]]:
-        with self._cond:
-            ticket = self._next
-            self._next += 1
-            for channel in channels:
-                self._queues[channel].append(ticket)
-            return ticket, channels
-
-    def _ready(self, ticket: int, channels: Sequence[Channel]) -> bool:
-        queues = self._queues
-        return all(queues[c][0] == ticket for c in channels)
-
-    def acquire(self, entry: Tuple[int, Sequence[Channel]], deadline: float,
-                is_aborted: Callable[[], bool]) -> bool:
-        ticket, channels = entry
-        with self._cond:
-            while not self._ready(ticket, channels):
-                if is_aborted():
-                    return False
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(min(remaining, 0.5))
-            return True
-
-    def release(self, entry: Tuple[int, Sequence[Channel]]) -> None:
-        ticket, channels = entry
-        with self._cond:
-            for channel in channels:
-                queue = self._queues[channel]
-                if queue and queue[0] == ticket:
-                    queue.popleft()
-                else:  # released out of order after an abort
-                    try:
-                        queue.remove(ticket)
-                    except ValueError:
-                        pass
-            self._cond.notify_all()
-
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-
-class _Staged:
-    """Host view of a caller's array: NumPy arrays as they are, device arrays copied to host."""
-
-    __slots__ = ("host", "device")
-
-    def __init__(self, array):
-        if array is None:
-            self.host, self.device = None, None
-        elif isinstance(array, np.ndarray):
-            self.host, self.device = array, None
-        elif hasattr(array, "__cuda_array_interface__"):
-            import cupy  # lazily: only when a device array is passed
-
-            self.device = array
-            self.host = cupy.asnumpy(array)
-        else:
-            self.host, self.device = np.asarray(array), None
-
-    def write_back(self) -> None:
-        if self.device is not None:
-            self.device.set(self.host)
-
-    @property
-    def caller(self):
-        return self.device if self.device is not None else self.host
-
 
 _SIGNATURE = struct.Struct("<BBBBiQQ8Q")  # op, redop, dtype, ndim, root, seq, count, shape[8]
 _REDOPS = {op: i for i, op in enumerate(ReduceOp, start=1)}
@@ -162,7 +80,7 @@ class CPUCommunicator(Communicator):
         host_ids = self._host_ids()
         self.local_rank = sum(1 for r in range(rank) if host_ids[r] == host_ids[rank])
         self.local_size = sum(1 for h in host_ids if h == host_ids[rank])
-        self._order = _OpOrder(rank, size)
+        self._order = OpOrder(rank, size)
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._p2p_seq: Dict[Channel, int] = defaultdict(int)
@@ -320,7 +238,7 @@ class CPUCommunicator(Communicator):
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, x, op: ReduceOp, out, async_op: bool):
         seq = self._next_seq()
-        src, dst = _Staged(x), (_Staged(out) if out is not None else None)
+        src, dst = Staged(x), (Staged(out) if out is not None else None)
         target = dst if dst is not None else src
 
         def body(deadline: float):
@@ -341,7 +259,7 @@ class CPUCommunicator(Communicator):
 
     def _broadcast(self, x, root: int, async_op: bool):
         seq = self._next_seq()
-        buf = _Staged(x)
+        buf = Staged(x)
 
         def body(deadline: float):
             self._debug_check("broadcast", seq, deadline, buf.host.dtype, buf.host.shape, root=root)
@@ -357,8 +275,8 @@ class CPUCommunicator(Communicator):
 
     def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool):
         seq = self._next_seq()
-        src = _Staged(x)
-        dst = _Staged(out) if out is not None else (src if self.rank == root else None)
+        src = Staged(x)
+        dst = Staged(out) if out is not None else (src if self.rank == root else None)
 
         def body(deadline: float):
             self._debug_check("reduce", seq, deadline, src.host.dtype, src.host.shape, op, root)
@@ -381,13 +299,9 @@ class CPUCommunicator(Communicator):
 
     def _all_gather(self, x, out, async_op: bool):
         seq = self._next_seq()
-        src = _Staged(x)
-        dst = _Staged(out) if out is not None else _Staged(np.empty((self.size,) + src.host.shape,
-                                                                    src.host.dtype))
-        if out is None and src.device is not None:
-            import cupy
-
-            dst.device = cupy.empty(dst.host.shape, dst.host.dtype)
+        src = Staged(x)
+        dst = Staged(out) if out is not None else Staged.empty(
+            (self.size,) + src.host.shape, src.host.dtype, like=src)
 
         def body(deadline: float):
             self._debug_check("all_gather", seq, deadline, src.host.dtype, src.host.shape)
@@ -404,12 +318,9 @@ class CPUCommunicator(Communicator):
 
     def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool):
         seq = self._next_seq()
-        src = _Staged(x)
-        dst = _Staged(out) if out is not None else _Staged(np.empty(src.host.shape[1:], src.host.dtype))
-        if out is None and src.device is not None:
-            import cupy
-
-            dst.device = cupy.empty(dst.host.shape, dst.host.dtype)
+        src = Staged(x)
+        dst = Staged(out) if out is not None else Staged.empty(
+            src.host.shape[1:], src.host.dtype, like=src)
 
         def body(deadline: float):
             self._debug_check("reduce_scatter", seq, deadline, src.host.dtype, src.host.shape, op)
@@ -429,15 +340,11 @@ class CPUCommunicator(Communicator):
 
     def _gather(self, x, root: int, out):
         seq = self._next_seq()
-        src = _Staged(x)
+        src = Staged(x)
         dst = None
         if self.rank == root:
-            dst = _Staged(out) if out is not None else _Staged(
-                np.empty((self.size,) + src.host.shape, src.host.dtype))
-            if out is None and src.device is not None:
-                import cupy
-
-                dst.device = cupy.empty(dst.host.shape, dst.host.dtype)
+            dst = Staged(out) if out is not None else Staged.empty(
+                (self.size,) + src.host.shape, src.host.dtype, like=src)
 
         def body(deadline: float):
             self._debug_check("gather", seq, deadline, src.host.dtype, src.host.shape, root=root)
@@ -457,16 +364,12 @@ class CPUCommunicator(Communicator):
 
     def _scatter(self, x, root: int, out, template):
         seq = self._next_seq()
-        src = _Staged(x) if self.rank == root else None
+        src = Staged(x) if self.rank == root else None
         if out is not None:
-            dst = _Staged(out)
+            dst = Staged(out)
         else:
             chunk, dtype = template
-            dst = _Staged(np.empty(chunk, dtype))
-            if src is not None and src.device is not None:
-                import cupy
-
-                dst.device = cupy.empty(chunk, dtype)
+            dst = Staged.empty(chunk, dtype, like=src)
 
         def body(deadline: float):
             self._debug_check("scatter", seq, deadline, dst.host.dtype, dst.host.shape, root=root)
@@ -485,12 +388,9 @@ class CPUCommunicator(Communicator):
 
     def _all_to_all(self, x, out):
         seq = self._next_seq()
-        src = _Staged(x)
-        dst = _Staged(out) if out is not None else _Staged(np.empty(src.host.shape, src.host.dtype))
-        if out is None and src.device is not None:
-            import cupy
-
-            dst.device = cupy.empty(dst.host.shape, dst.host.dtype)
+        src = Staged(x)
+        dst = Staged(out) if out is not None else Staged.empty(src.host.shape, src.host.dtype,
+                                                                like=src)
 
         def body(deadline: float):
             self._debug_check("all_to_all", seq, deadline, src.host.dtype, src.host.shape)
@@ -514,7 +414,7 @@ class CPUCommunicator(Communicator):
 
     def _send(self, x, dst: int, tag: int, async_op: bool):
         self._check_alive()
-        src = _Staged(x)
+        src = Staged(x)
         frame = self._p2p_frame(("send", dst), tag, src.host.dtype)
 
         def body(deadline: float):
@@ -525,7 +425,7 @@ class CPUCommunicator(Communicator):
 
     def _recv(self, out, src: int, tag: int, async_op: bool):
         self._check_alive()
-        dst = _Staged(out)
+        dst = Staged(out)
         frame = self._p2p_frame(("recv", src), tag, dst.host.dtype)
 
         def body(deadline: float):
