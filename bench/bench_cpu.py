@@ -261,10 +261,9 @@ def size_grid(min_bytes: int, max_bytes: int, factor: int) -> List[int]:
     return sizes
 
 
-def iterations(nbytes: int, opts) -> Tuple[int, int]:
-    """(warm-up, timed) calls for one size: the same on every rank, fewer for larger sizes."""
-    timed = max(opts.min_iters, min(opts.max_iters, opts.target_bytes // max(1, nbytes)))
-    return max(1, min(5, timed // 10)), timed
+def iterations(nbytes: int, opts) -> int:
+    """Timed calls for one size: the same on every rank, fewer for larger sizes."""
+    return max(opts.min_iters, min(opts.max_iters, opts.target_bytes // max(1, nbytes)))
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -316,20 +315,65 @@ def _open_variant(name: str, rank: int, n: int, port: int, timeout: float) -> Va
     return Variant(name, comm=comm, info=f"gpucoll {gc.__version__}, links: {'+'.join(kinds)}")
 
 
-def _measure(variant: Variant, collective: Collective, buf: Buffers, rank: int, n: int,
-             warmup: int, timed: int) -> Tuple[float, int]:
-    collective.prepare(buf, rank, n)
-    variant.run(collective, buf)  # the checked call is the first warm-up call
-    wrong = collective.check(buf, rank, n)
+def _measure_size(variants: List[Variant], collective: Collective, buf: Buffers, rank: int,
+                  n: int, opts, timed_total: int, index: int, broken: set) -> Dict[str, dict]:
+    """Check, warm up and time every variant on one (collective, size); {variant: cell}.
+
+    Each variant's first call is checked. The timed calls are split into ``opts.rounds``
+    rounds, and the variants take turns round by round, so that a burst of load from
+    elsewhere on the machine lands on all of them alike.
+    """
+    cells: Dict[str, dict] = {}
+
+    def attempt(variant: Variant, step) -> bool:
+        if (collective.name, variant.name) in broken:
+            return False
+        try:
+            step()
+            return True
+        except Exception:
+            broken.add((collective.name, variant.name))
+            cells.pop(variant.name, None)
+            cells.setdefault("_failed", {})[variant.name] = traceback.format_exc()
+            return False
+
+    def order(shift: int) -> List[Variant]:
+        shift %= max(1, len(variants))
+        return variants[shift:] + variants[:shift]
+
+    def check(variant: Variant) -> None:
+        collective.prepare(buf, rank, n)
+        variant.run(collective, buf)
+        cells[variant.name] = {"wrong": collective.check(buf, rank, n), "round_seconds": []}
+
+    for variant in order(index):
+        attempt(variant, lambda: check(variant))
     collective.before_timing(buf)
-    for _ in range(warmup):
-        variant.run(collective, buf)
-    garbage_collector.collect()
-    variant.barrier()
-    start = time.perf_counter()
-    for _ in range(timed):
-        variant.run(collective, buf)
-    return (time.perf_counter() - start) / timed, wrong
+    warmup = max(1, min(5, timed_total // 10))
+    rounds = max(1, min(opts.rounds, timed_total))
+    per_round = -(-timed_total // rounds)
+
+    def warm(variant: Variant) -> None:
+        for _ in range(warmup):
+            variant.run(collective, buf)
+
+    def timed(variant: Variant) -> None:
+        garbage_collector.collect()
+        variant.barrier()
+        start = time.perf_counter()
+        for _ in range(per_round):
+            variant.run(collective, buf)
+        cells[variant.name]["round_seconds"].append((time.perf_counter() - start) / per_round)
+
+    for variant in order(index):
+        attempt(variant, lambda: warm(variant))
+    for round_index in range(rounds):
+        for variant in order(index + round_index):
+            attempt(variant, lambda: timed(variant))
+    for cell in cells.values():
+        if "round_seconds" in cell:
+            cell["iters"] = per_round * rounds
+    return cells
 
 
 def rank_main(rank: int, n: int, ports: Dict[str, int], opts, results) -> None:
@@ -348,23 +392,16 @@ def rank_main(rank: int, n: int, ports: Dict[str, int], opts, results) -> None:
         for collective in (COLLECTIVES[c] for c in opts.collectives):
             for index, nbytes in enumerate(opts.sizes):
                 count, in_shape, out_shape = collective.layout(nbytes, n)
+                total = collective.total_bytes(count, n)
                 buf = Buffers(in_shape, out_shape)
-                warmup, timed = iterations(collective.total_bytes(count, n), opts)
-                shift = index % max(1, len(variants))  # rotate the order: no variant always first
-                for variant in variants[shift:] + variants[:shift]:
-                    if (collective.name, variant.name) in broken:
-                        continue
-                    try:
-                        seconds, wrong = _measure(variant, collective, buf, rank, n, warmup, timed)
-                    except Exception:
-                        broken.add((collective.name, variant.name))
-                        results.put(("failed", rank, collective.name, variant.name,
-                                     traceback.format_exc()))
-                        continue
-                    results.put(("row", rank, collective.name, nbytes, variant.name,
-                                 {"count": count, "bytes": collective.total_bytes(count, n),
-                                  "seconds": seconds, "wrong": wrong, "iters": timed}))
+                cells = _measure_size(variants, collective, buf, rank, n, opts,
+                                      iterations(total, opts), index, broken)
                 del buf
+                for name, text in cells.pop("_failed", {}).items():
+                    results.put(("failed", rank, collective.name, name, text))
+                for name, cell in cells.items():
+                    results.put(("row", rank, collective.name, nbytes, name,
+                                 dict(cell, count=count, bytes=total)))
         for variant in variants:
             try:
                 variant.close()
@@ -562,18 +599,22 @@ class Table:
                 line += f"  {'-':>10} {'-':>8} {'-':>8} {'-':>8}"
                 continue
             first = first or next(iter(per_rank.values()))
-            seconds = max(r["seconds"] for r in per_rank.values())
+            # a round's time is its slowest rank's; the row shows the best round
+            rounds = [max(cell["round_seconds"][i] for cell in per_rank.values())
+                      for i in range(min(len(cell["round_seconds"]) for cell in per_rank.values()))]
+            seconds = min(rounds)
             wrong = sum(r["wrong"] for r in per_rank.values())
             algbw = first["bytes"] / seconds / 1e9
             times[name] = seconds
             line += f"  {seconds * 1e6:10.1f} {algbw:8.3f} {algbw * factor:8.3f} {wrong:8d}"
             self.rows.append({"world_size": self.n, "collective": collective, "variant": name,
-                              "requested_bytes": nbytes, "bytes": first["bytes"],
+                              "info": self.info[name], "requested_bytes": nbytes, "bytes": first["bytes"],
                               "count": first["count"], "iters": first["iters"],
                               "time_us": seconds * 1e6, "algbw_gbps": algbw,
                               "busbw_gbps": algbw * factor, "wrong": wrong,
-                              "time_us_per_rank": [per_rank[r]["seconds"] * 1e6
-                                                   for r in sorted(per_rank)]})
+                              "round_time_us": [t * 1e6 for t in rounds],
+                              "round_time_us_per_rank": {r: [t * 1e6 for t in per_rank[r]["round_seconds"]]
+                                                         for r in sorted(per_rank)}})
         if GLOO in self.info:
             for name in (v for v in self.info if v != GLOO):
                 ratio = times[GLOO] / times[name] if GLOO in times and name in times else None
@@ -670,9 +711,9 @@ def summarize(rows: List[dict], raw: Dict[str, dict], opts, out) -> dict:
                     cell = lambda p: f"{p[0]:8.2f} at {_human(p[1]):>9}" if p else f"{'-':>20}"  # noqa: E731
                     print(f" {n:>6} {collective:>15} {name:>16} {points[0][1]:8.2f} at "
                           f"{_human(points[0][0]):>8} {cell(low):>24} {cell(high):>24}", file=out)
-    if raw:
-        print("\n# Largest all_reduce busbw as a fraction of the raw two-way rate of its transport",
-              file=out)
+    if raw and any(r["collective"] == "all_reduce" for r in rows):
+        print("\n# Largest all_reduce busbw as a fraction of the best raw two-way rate of its "
+              "transport", file=out)
         for n in opts.world_sizes:
             for name in opts.variants:
                 sizes = [r for r in rows if r["world_size"] == n and r["variant"] == name
@@ -680,8 +721,8 @@ def summarize(rows: List[dict], raw: Dict[str, dict], opts, out) -> dict:
                 if not sizes:
                     continue
                 largest = max(sizes, key=lambda r: r["bytes"])
-                transport = "unix" if name == GPUCOLL_DEFAULT else "tcp"
-                rate = raw.get(transport, {}).get("gbps_median")
+                transport = "unix" if largest["info"].endswith("links: unix") else "tcp"
+                rate = raw.get(transport, {}).get("gbps_best")
                 if not rate:
                     continue
                 fraction = largest["busbw_gbps"] / rate
@@ -745,6 +786,9 @@ def parse_args(argv=None):
                         help="seconds any one collective may take (default 120)")
     parser.add_argument("--timeout", type=float, default=1500.0,
                         help="hard limit in seconds per world size; then every rank is killed")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds the timed calls are split into; the best round is shown "
+                             "(default 3)")
     parser.add_argument("--json", metavar="FILE", help="write every number to FILE")
     opts = parser.parse_args(argv)
     opts.max_bytes = opts.max_bytes or (16 * MIB if opts.quick else 256 * MIB)
@@ -755,7 +799,7 @@ def parse_args(argv=None):
     opts.sizes = size_grid(opts.min_bytes, opts.max_bytes, opts.step_factor)
     # timed calls per size: target_bytes / size, clamped (the check and warm-up calls come on top)
     opts.target_bytes = 16 * MIB if opts.quick else 256 * MIB
-    opts.min_iters, opts.max_iters = (2, 50) if opts.quick else (3, 200)
+    opts.min_iters, opts.max_iters = (2, 30) if opts.quick else (3, 300)
     return opts
 
 
@@ -784,7 +828,9 @@ def main(argv=None) -> int:
           + " ".join(f"{x:.2f}" for x in meta["loadavg_start"]), file=out)
     print(f"# sizes {_human(opts.sizes[0])} .. {_human(opts.sizes[-1])} (x{opts.step_factor}); "
           f"timed calls per size: {opts.target_bytes // MIB} MiB / size within "
-          f"[{opts.min_iters}, {opts.max_iters}], after one checked call and warm-up", file=out)
+          f"[{opts.min_iters}, {opts.max_iters}], after one checked call and warm-up, split "
+          f"into {opts.rounds} rounds;\n# time = the best round's mean per call on its slowest "
+          "rank; the variants take turns round by round", file=out)
 
     raw = {}
     if opts.raw_bytes:

@@ -2,12 +2,17 @@
 
 Subcommands:
     run: start N ranks of a Python program on this node; see :mod:`gpucoll.launch`.
+    bench: nccl-tests-style bandwidth sweep of one or all collectives; see :mod:`gpucoll.perf`.
+    topo: GPUs, links and measured copy bandwidths (or the host's, without a GPU); see
+        :mod:`gpucoll.topo`.
 
 Example::
 
     gpucoll run -n 4 train.py --epochs 3
     gpucoll run -n 2 -m mypackage.worker --size 1024
     GPUCOLL_AUTH_TOKEN=... gpucoll run -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 train.py
+    gpucoll bench all_reduce -g 4 -b 8 -e 64M -f 4 --json ar.json
+    gpucoll topo --json topo.json
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ _RUN_VALUE_OPTIONS = frozenset({
 
 
 def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The top-level parser and the ``run`` subparser."""
+    """The top-level parser and the ``run`` subparser (``bench`` and ``topo`` are added too)."""
     parser = argparse.ArgumentParser(
         prog="gpucoll", description="GPU-native collectives for Python: launcher and tools.",
         allow_abbrev=False)
@@ -65,7 +70,117 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                      help="run a module, as python -m MODULE does, instead of a script")
     run.add_argument("program", nargs="?", metavar="script.py", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the program")
+    _add_bench_parser(commands)
+    _add_topo_parser(commands)
     return parser, run
+
+
+_BENCH_CHOICES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                  "all_to_all", "sendrecv", "all")
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", allow_abbrev=False, help="nccl-tests-style bandwidth sweep of the collectives",
+        description="Time a collective over a range of sizes, check every result, and print "
+                    "nccl-tests' table: size, count, type, redop, root, then time, algbw, busbw "
+                    "and #wrong for out-of-place and in-place. Starts -g ranks itself, or runs "
+                    "as one rank when started by gpucoll run, torchrun, mpiexec or srun.",
+        epilog="busbw = algbw x factor: all_reduce 2(n-1)/n; all_gather, reduce_scatter, "
+               "all_to_all (n-1)/n; broadcast, reduce, sendrecv 1. Exit status: 0 when every "
+               "result was right, 1 when some were wrong or a rank failed, 2 for usage errors.")
+    add = bench.add_argument
+    add("collective", nargs="?", default="all_reduce", choices=_BENCH_CHOICES,
+        help="what to measure (default: all_reduce)")
+    add("-g", "--nprocs", dest="nprocs", type=int, default=None, metavar="NRANKS",
+        help="ranks to start (default: 1; under a launcher: its world size)")
+    add("-b", "--minbytes", default="32M", metavar="SIZE", help="smallest size (default: 32M)")
+    add("-e", "--maxbytes", default="32M", metavar="SIZE", help="largest size (default: 32M)")
+    add("-f", "--stepfactor", type=int, default=None, metavar="F",
+        help="multiply the size by F each step (default: 2)")
+    add("-i", "--stepbytes", default=None, metavar="SIZE",
+        help="add SIZE bytes each step instead of multiplying")
+    add("-n", "--iters", type=int, default=20, metavar="N", help="timed iterations (default: 20)")
+    add("-w", "--warmup_iters", dest="warmup", type=int, default=5, metavar="N",
+        help="untimed warm-up iterations (default: 5)")
+    add("-c", "--check", type=int, default=1, choices=(0, 1), metavar="0|1",
+        help="check every result (default: 1)")
+    add("-d", "--datatype", dest="dtype", default="float", metavar="TYPE",
+        help="int8, uint8, int32, uint32, int64, uint64, half, float, double (or NumPy names), "
+             "a comma-separated list, or all (default: float)")
+    add("-o", "--op", default="sum", metavar="OP",
+        help="sum, prod, min, max, avg, band, bor, bxor, a list, or all (default: sum)")
+    add("-r", "--root", type=int, default=0, metavar="RANK",
+        help="root of broadcast and reduce (default: 0)")
+    add("-T", "--timeout", type=float, default=300.0, metavar="SECONDS",
+        help="limit of every blocking call; a stuck rank fails the run (default: 300)")
+    add("--backend", default=None, choices=("auto", "cpu", "nccl"),
+        help="gpucoll backend (default: GPUCOLL_BACKEND, i.e. auto)")
+    add("--compare", default=None, choices=("gloo",),
+        help="also time torch.distributed's Gloo backend in the same ranks; adds a ratio column")
+    add("--json", default=None, metavar="FILE", help="write every row and the summary as JSON")
+    add("--csv", default=None, metavar="FILE", help="write every row as CSV")
+    add("--plot", default=None, metavar="FILE.png",
+        help="plot busbw against size (needs matplotlib: pip install 'gpucoll[plot]')")
+    bench.set_defaults(handler=_cmd_bench, subparser=bench)
+
+
+def _add_topo_parser(commands) -> None:
+    topo = commands.add_parser(
+        "topo", allow_abbrev=False, help="GPUs, links and measured copy bandwidths",
+        description="List the GPUs with PCI bus id, NUMA node, NVLink and PCIe links and the "
+                    "peer-access matrix, and measure GPU-to-GPU, host-device and device memory "
+                    "copy bandwidth. Without a GPU it says so and measures the host: memory copy, "
+                    "loopback TCP and Unix-socket bandwidth and latency.")
+    topo.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    topo.add_argument("--plot", default=None, metavar="FILE.png",
+                      help="heat map of the GPU bandwidth matrix (bar chart of the host figures "
+                           "without a GPU); needs matplotlib")
+    topo.add_argument("--size", default="64M", metavar="SIZE",
+                      help="bytes per bandwidth measurement (default: 64M)")
+    topo.add_argument("--quick", action="store_true",
+                      help="fewer repetitions and smaller sizes (for smoke tests)")
+    topo.set_defaults(handler=_cmd_topo, subparser=topo)
+
+
+def _cmd_bench(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> int:
+    from . import perf
+
+    try:
+        names = (list(perf.COLLECTIVES) if namespace.collective == "all"
+                 else [namespace.collective])
+        step = perf.parse_size(namespace.stepbytes) if namespace.stepbytes else 0
+        if step and namespace.stepfactor is not None:
+            raise perf.UsageError("give -f (multiply) or -i (add), not both")
+        opts = perf.BenchOptions(
+            collectives=names, nranks=namespace.nprocs,
+            min_bytes=perf.parse_size(namespace.minbytes),
+            max_bytes=perf.parse_size(namespace.maxbytes),
+            factor=2 if namespace.stepfactor is None else namespace.stepfactor, step_bytes=step,
+            iters=namespace.iters, warmup=namespace.warmup, check=bool(namespace.check),
+            dtypes=perf.parse_dtypes(namespace.dtype), ops=perf.parse_ops(namespace.op),
+            root=namespace.root, timeout=namespace.timeout, backend=namespace.backend,
+            compare=namespace.compare)
+        if namespace.nprocs is not None and not 0 <= namespace.root < namespace.nprocs:
+            raise perf.UsageError(f"-r {namespace.root} is out of range for -g {namespace.nprocs}")
+        return perf.run_bench(opts, namespace.json, namespace.csv, namespace.plot)
+    except perf.UsageError as exc:
+        parser.error(str(exc))
+    except RuntimeError as exc:  # a rank failed; its traceback is in the message
+        print(f"gpucoll bench: {exc}", file=sys.stderr)
+        return 1
+    return 2  # not reached: error() exits
+
+
+def _cmd_topo(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> int:
+    from . import topo
+
+    try:
+        return topo.main(json_path=namespace.json, plot_path=namespace.plot,
+                         size=topo.parse_size(namespace.size), quick=namespace.quick)
+    except topo.UsageError as exc:
+        parser.error(str(exc))
+    return 2  # not reached: error() exits
 
 
 def _split_run_argv(argv: Sequence[str]) -> Tuple[List[str], Optional[str], bool, List[str]]:
@@ -121,7 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv: the words after the program name (None: ``sys.argv[1:]``).
 
     Returns:
-        The exit code: the job's for ``run``; 2 for a usage error; 0 after ``--help``.
+        The exit code: the job's for ``run``; for ``bench`` 0 when every result was right and
+        1 otherwise; 0 for ``topo``; 2 for a usage error; 0 after ``--help``.
     """
     words = list(sys.argv[1:] if argv is None else argv)
     parser, run_parser = build_parser()
@@ -132,6 +248,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if namespace.command is None:
             parser.print_help(sys.stderr)
             return 2
+        if namespace.command in ("bench", "topo"):
+            return namespace.handler(namespace.subparser, namespace)
         parser.error(f"unknown command {namespace.command!r}")
     except SystemExit as exc:  # argparse's --help, --version and usage errors
         if exc.code is None:

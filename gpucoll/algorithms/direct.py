@@ -37,8 +37,9 @@ EMPTY = memoryview(bytearray(0))
 
 
 def byte_view(array: np.ndarray) -> memoryview:
-    """The bytes of a contiguous array (works for every count, 0 included)."""
-    return memoryview(array).cast("B")
+    """The bytes of a contiguous array (works for every count, 0 included, and for dtypes the
+    buffer protocol cannot describe, such as ml_dtypes' bfloat16)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def segment_bounds(count: int, parts: int) -> List[Tuple[int, int]]:

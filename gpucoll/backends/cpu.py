@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from .. import algorithms
+from ..algorithms.direct import byte_view
 from ..communicator import Communicator
 from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutError, GpucollError,
                       PeerError)
@@ -418,7 +419,7 @@ class CPUCommunicator(Communicator):
         frame = self._p2p_frame(("send", dst), tag, src.host.dtype)
 
         def body(deadline: float):
-            self._transport.send(dst, memoryview(_flat(src.host)).cast("B"), frame, deadline)
+            self._transport.send(dst, byte_view(src.host), frame, deadline)
             return None
 
         return self._submit("send", frame.seq, [("send", dst)], body, async_op)
@@ -429,7 +430,7 @@ class CPUCommunicator(Communicator):
         frame = self._p2p_frame(("recv", src), tag, dst.host.dtype)
 
         def body(deadline: float):
-            self._transport.recv(src, memoryview(_flat(dst.host)).cast("B"), frame, deadline)
+            self._transport.recv(src, byte_view(dst.host), frame, deadline)
             dst.write_back()
             return dst.caller
 

@@ -1,0 +1,232 @@
+"""Bucketing benchmark: fused pack / unpack, and end-to-end gradient averaging.
+
+1. Pack and unpack 1,000 arrays of mixed sizes (1 KiB - 4 MiB, 64 MiB in all, float32):
+   * GPU (CuPy and a device present): the fused kernels (float32 and float32 -> bfloat16 /
+     float16 buckets) against the device-to-device copy bandwidth measured in the same run
+     (one 64 MiB ``cupy.copyto``) and a per-array CuPy copy loop.
+   * CPU: the NumPy path against ``np.concatenate`` and a per-array copy loop.
+2. End to end on the CPU backend with 2 ranks: a simulated backward marks the 1,000 gradients
+   ready (last first, compute time proportional to size); reported is the time from the last
+   ``mark_ready`` to ``finish()`` returning (all gradients averaged), per bucket cap.
+
+    python bench/bench_bucket.py [--skip-gpu] [--skip-e2e] [--backward-ms 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gpucoll import kernels  # noqa: E402
+
+MiB = 1 << 20
+
+
+def mixed_sizes(count=1000, total_bytes=64 * MiB, itemsize=4, seed=0):
+    """``count`` element counts from 1 KiB to 4 MiB (both ends included), ``total_bytes`` in all:
+    ``1 KiB * 4096 ** (u ** p)`` for uniform ``u``, with ``p`` found by bisection."""
+    u = np.sort(np.random.default_rng(seed).uniform(0, 1, count))
+    u[0], u[-1] = 0.0, 1.0
+    lo, hi = 0.01, 100.0
+    for _ in range(100):
+        p = (lo * hi) ** 0.5
+        nbytes = (1 << 10) * 4096.0 ** (u ** p)
+        lo, hi = (p, hi) if nbytes.sum() > total_bytes else (lo, p)
+    nbytes = nbytes.astype(np.int64) // itemsize * itemsize
+    remainder = int(total_bytes - nbytes.sum())  # exact total, within bounds
+    for i in np.argsort(nbytes)[::-1 if remainder < 0 else 1]:
+        room = (4 * MiB - nbytes[i]) if remainder > 0 else ((1 << 10) - nbytes[i])
+        step = int(np.clip(remainder, min(room, 0), max(room, 0))) // itemsize * itemsize
+        nbytes[i] += step
+        remainder -= step
+        if remainder == 0:
+            break
+    np.random.default_rng(seed + 1).shuffle(nbytes)
+    return [int(b) // itemsize for b in nbytes]
+
+
+def best_of(fn, repeat=7):
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times), statistics.median(times)
+
+
+def row(name, seconds, nbytes):
+    print(f"  {name:<44} {seconds * 1e3:9.2f} ms  {nbytes / seconds / 1e9:7.2f} GB/s")
+
+
+def bench_cpu(sizes):
+    arrays = [np.random.default_rng(i).standard_normal(n).astype(np.float32)
+              for i, n in enumerate(sizes)]
+    total = sum(sizes)
+    nbytes = total * 4
+    bucket = np.empty(total, np.float32)
+    offsets = list(np.cumsum([0] + sizes[:-1]))
+    print(f"# CPU (NumPy), {len(sizes)} arrays, {nbytes / MiB:.0f} MiB float32; "
+          f"GB/s = bytes read / time")
+
+    def loop_copy():
+        for a, o, n in zip(arrays, offsets, sizes):
+            bucket[o:o + n] = a
+
+    def loop_unpack():
+        for a, o, n in zip(arrays, offsets, sizes):
+            np.multiply(bucket[o:o + n], np.float32(0.5), out=a)
+
+    cases = [
+        ("np.concatenate (allocates)", lambda: np.concatenate(arrays)),
+        ("np.concatenate(out=bucket)", lambda: np.concatenate(arrays, out=bucket)),
+        ("per-array copy loop", loop_copy),
+        ("kernels.pack", lambda: kernels.pack(arrays, bucket, offsets=offsets)),
+        ("kernels.pack scale=0.5", lambda: kernels.pack(arrays, bucket, offsets=offsets,
+                                                         scale=0.5)),
+        ("kernels.pack -> float16", lambda: kernels.pack(arrays, np.empty(total, np.float16))),
+        ("per-array unpack loop (x 0.5)", loop_unpack),
+        ("kernels.unpack scale=0.5", lambda: kernels.unpack(bucket, arrays, offsets=offsets,
+                                                             scale=0.5)),
+        ("kernels.unpack scale=0.5 + non-finite check",
+         lambda: kernels.unpack(bucket, arrays, offsets=offsets, scale=0.5,
+                                found_inf=np.zeros(1, np.int32))),
+    ]
+    if kernels.bfloat16 is not None:
+        bf = np.empty(total, kernels.bfloat16)
+        cases.insert(6, ("kernels.pack -> bfloat16", lambda: kernels.pack(arrays, bf)))
+    for name, fn in cases:
+        row(name, best_of(fn, 5)[0], nbytes)
+
+
+def bench_gpu(sizes):
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError("no device")
+    except Exception as exc:
+        print(f"# GPU part skipped: {type(exc).__name__}: {exc}")
+        return
+    total = sum(sizes)
+    nbytes = total * 4
+    arrays = [cupy.random.standard_normal(n, dtype=cupy.float32) for n in sizes]
+    bucket = cupy.empty(total, cupy.float32)
+    offsets = list(np.cumsum([0] + sizes[:-1]))
+    flat = cupy.empty(total, cupy.float32)
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"# GPU {name}, {len(sizes)} arrays, {nbytes / MiB:.0f} MiB float32; "
+          f"GB/s = bytes read / time (events, median of 20)")
+
+    def timed(fn, repeat=20):
+        fn()
+        cupy.cuda.Device().synchronize()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(repeat):
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+        return statistics.median(times)
+
+    def loop_copy():
+        for a, o, n in zip(arrays, offsets, sizes):
+            bucket[o:o + n] = a
+
+    def loop_unpack():
+        for a, o, n in zip(arrays, offsets, sizes):
+            cupy.multiply(bucket[o:o + n], 0.5, out=a)
+
+    cases = [("device-to-device copy, one 64 MiB array", lambda: cupy.copyto(flat, bucket)),
+             ("per-array CuPy copy loop", loop_copy),
+             ("kernels.pack", lambda: kernels.pack(arrays, bucket, offsets=offsets)),
+             ("kernels.pack -> float16", lambda: kernels.pack(arrays, cupy.empty(total, cupy.float16))),
+             ("per-array CuPy unpack loop (x 0.5)", loop_unpack),
+             ("kernels.unpack scale=0.5", lambda: kernels.unpack(bucket, arrays, offsets=offsets,
+                                                                  scale=0.5)),
+             ("kernels.unpack scale=0.5 + non-finite check",
+              lambda: kernels.unpack(bucket, arrays, offsets=offsets, scale=0.5,
+                                     found_inf=cupy.zeros(1, cupy.int32)))]
+    try:
+        bf = cupy.empty(total, kernels.bfloat16)
+        cases.insert(4, ("kernels.pack -> bfloat16", lambda: kernels.pack(arrays, bf)))
+    except Exception:
+        print("# (this CuPy has no bfloat16 arrays: bfloat16 case skipped)")
+    for label, fn in cases:
+        row(label, timed(fn), nbytes)
+
+
+def _e2e_rank(rank, url, sizes, caps, backward_s, repeat, results):
+    import gpucoll
+    from gpucoll.ddp import Bucketer
+
+    with gpucoll.init(backend="cpu", rank=rank, world_size=2, url=url, timeout=120) as comm:
+        grads = [np.full(n, rank + 1.0, np.float32) for n in sizes]
+        total = sum(sizes)
+        for cap in caps:
+            bucketer = Bucketer(comm, grads, bucket_cap_bytes=cap,
+                                first_bucket_cap_bytes=min(cap, 1 * MiB))
+            tails = []
+            for _ in range(repeat + 1):
+                comm.barrier()
+                for index in reversed(range(len(grads))):
+                    time.sleep(backward_s * sizes[index] / total)  # simulated backward compute
+                    bucketer.mark_ready(index, grads[index])
+                start = time.perf_counter()
+                bucketer.finish()
+                tails.append(time.perf_counter() - start)
+                for g in grads:
+                    g.fill(rank + 1.0)
+            if rank == 0:
+                results.put((cap, len(bucketer.buckets), statistics.median(tails[1:])))
+
+
+def bench_e2e(sizes, backward_ms, repeat=3):
+    caps = [1 * MiB, 25 * MiB, 64 * MiB]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = tempfile.mkdtemp(prefix="gpucoll-bench-")
+    url = f"file://{store}/store"
+    procs = [ctx.Process(target=_e2e_rank, args=(r, url, sizes, caps, backward_ms / 1e3, repeat,
+                                                  results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    print(f"# end to end, CPU backend, 2 ranks, {len(sizes)} float32 gradients "
+          f"({sum(sizes) * 4 / MiB:.0f} MiB), simulated backward {backward_ms:g} ms; "
+          f"median of {repeat}")
+    print(f"  {'bucket cap':>10} {'buckets':>8} {'last ready -> all averaged':>28}")
+    for _ in caps:
+        cap, count, tail = results.get(timeout=600)
+        print(f"  {cap // MiB:>6} MiB {count:>8} {tail * 1e3:>25.1f} ms")
+    for p in procs:
+        p.join(60)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-gpu", action="store_true")
+    parser.add_argument("--skip-cpu", action="store_true")
+    parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--backward-ms", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    sizes = mixed_sizes()
+    if not args.skip_gpu:
+        bench_gpu(sizes)
+    if not args.skip_cpu:
+        bench_cpu(sizes)
+    if not args.skip_e2e:
+        bench_e2e(sizes, args.backward_ms)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""Gradient bucketing for data-parallel training: pack, all-reduce while backward runs, unpack.
+
+Gradients are grouped into flat buckets (one dtype each, in reverse registration order, since
+backward produces the last layer's gradients first; the first bucket is small so that
+communication starts early). As each gradient is produced the training loop calls
+``mark_ready(i, grad)``; when every gradient of a bucket is ready it is packed (one fused kernel
+on the GPU) and its all-reduce is issued with ``async_op=True``, so it runs while the rest of
+backward is still computing. ``finish()`` waits and unpacks (one fused kernel: average, cast
+back, optional loss-scale unscaling and non-finite check) into the gradient arrays.
+
+Buckets are always issued in bucket order, whatever order gradients arrive in, so every rank
+issues the same collectives in the same order. Only the ``Communicator`` interface is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from .. import kernels
+
+__all__ = ["Bucketer", "broadcast_parameters", "plan_buckets"]
+
+MiB = 1 << 20
+_COMPRESSION = {None: None, "none": None, "bf16": "bfloat16", "bfloat16": "bfloat16",
+                "fp16": "float16", "float16": "float16"}
+
+
+def _array_module(x: Any):
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _wire_dtype(dtype: np.dtype, compression: Optional[str]) -> np.dtype:
+    if compression is None or dtype != np.float32:
+        return dtype
+    if compression == "bfloat16":
+        if kernels.bfloat16 is None:
+            raise TypeError("bfloat16 compression needs the ml_dtypes package for NumPy "
+                            "arrays (pip install ml-dtypes); float16 compression works without")
+        return kernels.bfloat16
+    return np.dtype(np.float16)
+
+
+def plan_buckets(nbytes: Sequence[int], dtypes: Sequence[Any], bucket_cap_bytes: int,
+                 first_bucket_cap_bytes: int) -> List[List[int]]:
+    """Assign tensors to buckets: walk them in reverse order, one open bucket per dtype, and
+    close a bucket once it holds at least its cap (``first_bucket_cap_bytes`` for the first
+    bucket closed, ``bucket_cap_bytes`` after); buckets still open at the end follow, in the
+    order their last tensor comes. Returns the buckets' tensor indices, in the
+    order they are issued."""
+    open_buckets: Dict[str, List[Any]] = {}
+    closed: List[List[int]] = []
+    for index in reversed(range(len(nbytes))):
+        key = np.dtype(dtypes[index]).name
+        members, size = open_buckets.pop(key, ([], 0))
+        members.append(index)
+        size += int(nbytes[index])
+        cap = first_bucket_cap_bytes if not closed else bucket_cap_bytes
+        if size >= cap:
+            closed.append(members)
+        else:
+            open_buckets[key] = (members, size)
+    # the rest in the order backward completes them (their last member is produced)
+    closed.extend(sorted((members for members, _ in open_buckets.values()),
+                         key=lambda members: -members[-1]))
+    return closed
+
+
+class _Bucket:
+    __slots__ = ("members", "dtype", "wire_dtype", "offsets", "length", "buffer", "ready", "work")
+
+    def __init__(self, members: List[int], dtype: np.dtype, wire_dtype: np.dtype,
+                 sizes: Sequence[int]):
+        self.members = members
+        self.dtype = dtype
+        self.wire_dtype = wire_dtype
+        self.offsets, self.length = kernels.bucket_offsets([sizes[i] for i in members],
+                                                           wire_dtype.itemsize)
+        self.buffer = None
+        self.ready = 0
+        self.work = None
+
+
+class Bucketer:
+    """Averages gradients across the ranks of ``comm`` in a few fused, overlapped all-reduces.
+
+    Args:
+        comm: the communicator (any backend).
+        params: the parameters (or gradients; anything with ``shape`` and ``dtype``) in
+            registration order; gradient ``i`` must have the shape and dtype of ``params[i]``.
+        bucket_cap_bytes: bytes (on the wire) per bucket after the first.
+        first_bucket_cap_bytes: bytes of the first bucket, issued while most of backward is
+            still to run.
+        compression: None, "bf16" or "fp16": float32 gradients travel (and are summed) in that
+            dtype; scaling and the result are float32. Pre-divided by the world size before the
+            cast, so float16 sums do not overflow.
+        average: divide the sum by the world size (True) or return the sum.
+
+    Example (two ranks)::
+
+        bucketer = Bucketer(comm, params)
+        for i, grad in backward():        # last layer first
+            bucketer.mark_ready(i, grad)  # full buckets start their all-reduce here
+        grads = bucketer.finish()         # averaged, in registration order
+    """
+
+    def __init__(self, comm, params: Sequence[Any], *, bucket_cap_bytes: int = 25 * MiB,
+                 first_bucket_cap_bytes: int = 1 * MiB, compression: Optional[str] = None,
+                 average: bool = True):
+        if compression not in _COMPRESSION:
+            raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}")
+        if bucket_cap_bytes <= 0 or first_bucket_cap_bytes <= 0:
+            raise ValueError(f"bucket caps must be positive, got {bucket_cap_bytes} and "
+                             f"{first_bucket_cap_bytes}")
+        self.comm = comm
+        self.compression = _COMPRESSION[compression]
+        self.average = average
+        self.shapes = [tuple(p.shape) for p in params]
+        self.dtypes = [np.dtype(p.dtype) for p in params]
+        sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.shapes]
+        wire = [_wire_dtype(dtype, self.compression) for dtype in self.dtypes]
+        for index, (dtype, wire_dtype) in enumerate(zip(self.dtypes, wire)):
+            if (dtype.name, wire_dtype.name) not in kernels.SUPPORTED_PAIRS:
+                raise TypeError(f"params[{index}] has dtype {dtype.name}; gradients must be "
+                                f"float16, bfloat16, float32 or float64")
+        plan = plan_buckets([s * w.itemsize for s, w in zip(sizes, wire)], self.dtypes,
+                            bucket_cap_bytes, first_bucket_cap_bytes)
+        self._buckets = [_Bucket(members, self.dtypes[members[0]], wire[members[0]], sizes)
+                         for members in plan]
+        self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
+        self._grads: List[Any] = [None] * len(self.shapes)
+        self._next_issue = 0
+        self._accumulating = False
+        self._accumulated: Dict[int, Any] = {}
+        self.found_inf = None  # int32 flag array of the last finish() that checked
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def buckets(self) -> List[List[int]]:
+        """Parameter indices of each bucket, in issue order."""
+        return [list(bucket.members) for bucket in self._buckets]
+
+    # ------------------------------------------------------------------ the step
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator["Bucketer"]:
+        """Gradient accumulation: inside, ``mark_ready`` / ``reduce`` only add gradients into
+        local accumulators (no communication); the next synchronized step adds them to its own
+        gradients before the all-reduce, so it averages the sum over all micro-batches."""
+        if self._accumulating:
+            raise RuntimeError("no_sync() is already active")
+        self._accumulating = True
+        try:
+            yield self
+        finally:
+            self._accumulating = False
+
+    def mark_ready(self, index: int, grad: Any) -> None:
+        """Gradient ``index`` (registration order) is computed; ``grad`` receives the average.
+
+        Raises:
+            ValueError: index out of range, marked twice in one step, or shape mismatch.
+            TypeError: dtype mismatch.
+        """
+        if not 0 <= index < len(self.shapes):
+            raise ValueError(f"gradient index {index} is out of range for {len(self.shapes)} "
+                             f"parameters")
+        if tuple(grad.shape) != self.shapes[index]:
+            raise ValueError(f"gradient {index} has shape {tuple(grad.shape)}, expected "
+                             f"{self.shapes[index]}")
+        if np.dtype(grad.dtype) != self.dtypes[index]:
+            raise TypeError(f"gradient {index} has dtype {grad.dtype}, expected "
+                            f"{self.dtypes[index]}")
+        if self._grads[index] is not None:
+            raise ValueError(f"gradient {index} was already marked ready in this step")
+        self._grads[index] = grad
+        if self._accumulating:
+            return
+        previous = self._accumulated.pop(index, None)
+        if previous is not None:
+            grad += previous
+        bucket = self._buckets[self._bucket_of[index]]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.members):
+            self._issue_ready()
+
+    def _issue_ready(self) -> None:
+        """Pack and issue, in bucket order, every full bucket not issued yet."""
+        while self._next_issue < len(self._buckets):
+            bucket = self._buckets[self._next_issue]
+            if bucket.ready < len(bucket.members):
+                return
+            grads = [self._grads[i] for i in bucket.members]
+            if bucket.buffer is None:
+                xp = _array_module(grads[0])
+                bucket.buffer = xp.zeros(bucket.length, dtype=bucket.wire_dtype)  # gaps stay 0
+            prescale = (1.0 / self.comm.size if self.average and bucket.wire_dtype != bucket.dtype
+                        else 1.0)
+            kernels.pack(grads, bucket.buffer, offsets=bucket.offsets, scale=prescale)
+            bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True)
+            self._next_issue += 1
+
+    def finish(self, *, loss_scale: Optional[float] = None,
+               check_finite: Optional[bool] = None) -> List[Any]:
+        """Wait for every bucket and write the averaged gradients into the arrays given to
+        ``mark_ready``.
+
+        Args:
+            loss_scale: divide the gradients by it as well (mixed-precision unscaling).
+            check_finite: set ``self.found_inf[0] = 1`` when any result is inf or NaN (default:
+                when ``loss_scale`` is given). Every rank sees the same flag, since the
+                all-reduce spreads a non-finite value to all ranks.
+
+        Returns:
+            The gradient arrays in registration order (inside ``no_sync``: unchanged).
+
+        Raises:
+            ValueError: some gradients were never marked ready (listed).
+        """
+        grads = self._grads
+        missing = [i for i, grad in enumerate(grads) if grad is None]
+        if missing:
+            self._reset(wait=True)
+            raise ValueError(f"gradients {missing} were not marked ready in this step; every "
+                             f"rank must produce every gradient")
+        if self._accumulating:
+            for index, grad in enumerate(grads):
+                if index in self._accumulated:
+                    self._accumulated[index] += grad
+                else:
+                    self._accumulated[index] = grad.copy()
+            self._reset(wait=False)
+            return grads
+        check = (loss_scale is not None) if check_finite is None else check_finite
+        xp = _array_module(grads[0]) if grads else np
+        self.found_inf = xp.zeros(1, dtype=np.int32) if check else None
+        try:
+            self._issue_ready()
+            for bucket in self._buckets:
+                bucket.work.wait()
+                postscale = (1.0 / self.comm.size if self.average and
+                             bucket.wire_dtype == bucket.dtype else 1.0)
+                kernels.unpack(bucket.buffer, [grads[i] for i in bucket.members],
+                               offsets=bucket.offsets, scale=postscale, loss_scale=loss_scale,
+                               found_inf=self.found_inf)
+        finally:
+            self._reset(wait=True)
+        return grads
+
+    def found_nonfinite(self) -> bool:
+        """Whether the last checked ``finish()`` saw inf or NaN (reads the flag: a sync point)."""
+        return self.found_inf is not None and bool(int(self.found_inf.reshape(-1)[0]))
+
+    def reduce(self, grads: Sequence[Any], **finish_kwargs) -> List[Any]:
+        """Average ``grads`` (registration order) in place: ``mark_ready`` for each, last
+        first, then ``finish(**finish_kwargs)``."""
+        if len(grads) != len(self.shapes):
+            raise ValueError(f"got {len(grads)} gradients for {len(self.shapes)} parameters")
+        for index in reversed(range(len(grads))):
+            self.mark_ready(index, grads[index])
+        return self.finish(**finish_kwargs)
+
+    def _reset(self, wait: bool) -> None:
+        for bucket in self._buckets:
+            if wait and bucket.work is not None:
+                try:
+                    bucket.work.wait()
+                except Exception:
+                    pass  # already raised (or about to be) by finish()
+            bucket.ready = 0
+            bucket.work = None
+        self._grads = [None] * len(self.shapes)
+        self._next_issue = 0
+
+
+def broadcast_parameters(comm, params: Sequence[Any], root: int = 0, *,
+                         bucket_cap_bytes: int = 25 * MiB) -> Sequence[Any]:
+    """Copy ``root``'s parameters to every rank, in place, a bucket at a time.
+
+    Floating-point parameters are packed into buckets of at most ``bucket_cap_bytes`` (one
+    broadcast per bucket); other dtypes are broadcast one array at a time.
+
+    Example (two ranks)::
+
+        params = init_params(seed=comm.rank)    # differ
+        broadcast_parameters(comm, params)      # now all equal rank 0's
+    """
+    groups: Dict[str, List[int]] = {}
+    for index, param in enumerate(params):
+        name = np.dtype(param.dtype).name
+        if (name, name) in kernels.SUPPORTED_PAIRS:
+            groups.setdefault(name, []).append(index)
+        else:
+            comm.broadcast(params[index], root=root)
+    for name, members in groups.items():
+        dtype = np.dtype(params[members[0]].dtype)
+        chunks: List[List[int]] = [[]]
+        size = 0
+        for index in members:
+            nbytes = int(params[index].size) * dtype.itemsize
+            if chunks[-1] and size + nbytes > bucket_cap_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(index)
+            size += nbytes
+        for chunk in chunks:
+            arrays = [params[i] for i in chunk]
+            offsets, length = kernels.bucket_offsets([a.size for a in arrays], dtype.itemsize)
+            buffer = _array_module(arrays[0]).zeros(length, dtype=dtype)
+            if comm.rank == root:
+                kernels.pack(arrays, buffer, offsets=offsets)
+            comm.broadcast(buffer, root=root)
+            if comm.rank != root:
+                kernels.unpack(buffer, arrays, offsets=offsets)
+    return params

@@ -1,0 +1,336 @@
+"""Fused bucketing kernels: pack many arrays into one flat bucket and unpack it again.
+
+``pack`` and ``unpack`` take NumPy or CuPy arrays and dispatch on the array type:
+
+* CuPy: one launch of ``gpucoll_bucket_pack`` / ``gpucoll_bucket_unpack`` (``kernels/*.cu``,
+  compiled with ``cupy.RawModule`` once per device and dtype pair, then cached) per 65,536
+  arrays, on the current CuPy stream, with 16-byte vector accesses wherever an array and its
+  bucket slice share 16-byte alignment.
+* NumPy: the same semantics with ufuncs, so the bucketer runs (and is tested) on any machine.
+
+Semantics (both paths; ``C`` is float32, or float64 when either side is float64)::
+
+    pack:    bucket[offsets[a] + i] = bucket.dtype(C(arrays[a].flat[i]) * scale)
+    unpack:  arrays[a].flat[i]      = arrays[a].dtype(C(bucket[offsets[a] + i]) * scale / loss_scale)
+             found_inf[0] = 1 if any value written is inf or NaN (only when found_inf is given)
+
+Rounding is to nearest even in both paths, so they agree bit for bit. Supported
+(array dtype, bucket dtype) pairs: (float32, float32 | bfloat16 | float16), (float16, float16),
+(bfloat16, bfloat16), (float64, float64). bfloat16 needs CuPy's bfloat16 dtype on the GPU and the
+``ml_dtypes`` package on the CPU; without it the NumPy path supports float16/32/64 only.
+
+Importing this module never imports CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = ["pack", "unpack", "bucket_offsets", "bfloat16", "SUPPORTED_PAIRS", "kernel_source",
+           "MAX_ARRAYS_PER_LAUNCH", "TILE_ELEMS"]
+
+try:  # NumPy has no bfloat16; ml_dtypes (a JAX dependency) provides one
+    import ml_dtypes as _ml_dtypes
+
+    bfloat16: Optional[np.dtype] = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    bfloat16 = None
+
+#: (array dtype name, bucket dtype name) pairs both paths implement.
+SUPPORTED_PAIRS = frozenset({
+    ("float32", "float32"), ("float32", "bfloat16"), ("float32", "float16"),
+    ("float16", "float16"), ("bfloat16", "bfloat16"), ("float64", "float64"),
+})
+
+#: Arrays one kernel launch carries at most (size of its work table); longer lists are split.
+MAX_ARRAYS_PER_LAUNCH = 65536
+#: Blocks one launch may have (CUDA's grid.x limit).
+MAX_BLOCKS_PER_LAUNCH = 2 ** 31 - 1
+#: Elements one thread block copies (a multiple of 16, so every vector width divides it).
+TILE_ELEMS = 4096
+THREADS_PER_BLOCK = 256
+
+_C_TYPES = {"float32": "float", "float64": "double", "float16": "gpucoll::f16_t",
+            "bfloat16": "gpucoll::bf16_t"}
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCE_DIRS = (os.path.join(_HERE, "_kernels"),                       # installed wheel
+                os.path.join(os.path.dirname(_HERE), "kernels"))       # source tree
+
+
+# ---------------------------------------------------------------------------- helpers
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def _dtype_name(dtype: Any) -> str:
+    return np.dtype(dtype).name
+
+
+def _check_pair(array_dtype: str, bucket_dtype: str) -> None:
+    if (array_dtype, bucket_dtype) not in SUPPORTED_PAIRS:
+        pairs = ", ".join(f"{a}->{b}" for a, b in sorted(SUPPORTED_PAIRS))
+        raise TypeError(f"unsupported (array dtype, bucket dtype) pair ({array_dtype}, "
+                        f"{bucket_dtype}); supported: {pairs}")
+
+
+def bucket_offsets(sizes: Sequence[int], itemsize: int, align_bytes: int = 16) -> Tuple[List[int], int]:
+    """Element offsets that place arrays of ``sizes`` elements back to back in a bucket, each
+    starting on an ``align_bytes`` boundary (so the kernels can use vector accesses).
+
+    Returns:
+        (offsets, total elements the bucket needs).
+    """
+    step = max(align_bytes // itemsize, 1)
+    offsets, position = [], 0
+    for size in sizes:
+        offsets.append(position)
+        position += -(-int(size) // step) * step
+    return offsets, position
+
+
+def _validate(arrays: Sequence[Any], bucket: Any, offsets: Optional[Sequence[int]],
+              what: str) -> Tuple[str, List[int], List[int]]:
+    if not hasattr(bucket, "dtype") or getattr(bucket, "ndim", None) != 1:
+        raise ValueError(f"bucket must be a 1-D array, got {type(bucket).__name__} with shape "
+                         f"{getattr(bucket, 'shape', None)}")
+    if not bucket.flags.c_contiguous:
+        raise ValueError(f"bucket must be contiguous (strides {bucket.strides})")
+    gpu = _is_cupy(bucket)
+    array_dtype = first_type = first_dtype = None
+    sizes = []
+    for index, array in enumerate(arrays):
+        if type(array) is first_type and array.dtype == first_dtype and array.flags.c_contiguous \
+                and not gpu:
+            sizes.append(int(array.size))  # fast path: same kind as the previous arrays
+            continue
+        if _is_cupy(array) != gpu:
+            raise TypeError(f"arrays[{index}] is a {type(array).__module__}.{type(array).__name__} "
+                            f"but the bucket is a {type(bucket).__module__}.{type(bucket).__name__}; "
+                            f"{what} needs one array library")
+        name = _dtype_name(array.dtype)
+        if array_dtype is None:
+            array_dtype = name
+        elif name != array_dtype:
+            raise TypeError(f"arrays[{index}] has dtype {name} but arrays[0] has {array_dtype}; "
+                            f"one {what} call takes arrays of one dtype")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"arrays[{index}] must be C-contiguous (shape {array.shape}, strides "
+                             f"{array.strides})")
+        if gpu and array.device.id != bucket.device.id:
+            raise ValueError(f"arrays[{index}] is on device {array.device.id}, the bucket on "
+                             f"device {bucket.device.id}")
+        sizes.append(int(array.size))
+        first_type, first_dtype = type(array), array.dtype
+    if array_dtype is not None:
+        _check_pair(array_dtype, _dtype_name(bucket.dtype))
+    if offsets is None:
+        offsets = list(np.cumsum([0] + sizes[:-1], dtype=np.int64)) if sizes else []
+    elif len(offsets) != len(sizes):
+        raise ValueError(f"got {len(offsets)} offsets for {len(sizes)} arrays")
+    offsets = [int(o) for o in offsets]
+    for index, (offset, size) in enumerate(zip(offsets, sizes)):
+        if offset < 0 or offset + size > bucket.size:
+            raise ValueError(f"arrays[{index}] ({size} elements at offset {offset}) does not fit "
+                             f"in the bucket of {bucket.size} elements")
+    return array_dtype or "", offsets, sizes
+
+
+def _compute_dtype(a: str, b: str) -> np.dtype:
+    return np.dtype(np.float64 if "float64" in (a, b) else np.float32)
+
+
+def _check_flag(found_inf: Any, bucket: Any) -> None:
+    if found_inf is None:
+        return
+    if _is_cupy(found_inf) != _is_cupy(bucket):
+        raise TypeError("found_inf must be the same kind of array as the bucket (NumPy or CuPy)")
+    if _dtype_name(found_inf.dtype) != "int32" or found_inf.size < 1:
+        raise TypeError(f"found_inf must be an int32 array of at least one element, got dtype "
+                        f"{found_inf.dtype} and size {found_inf.size}")
+
+
+# ---------------------------------------------------------------------------- public API
+def pack(arrays: Sequence[Any], bucket: Any, *, offsets: Optional[Sequence[int]] = None,
+         scale: float = 1.0) -> Any:
+    """Copy ``arrays`` (one dtype, any shapes) into the flat ``bucket``, casting and scaling.
+
+    Args:
+        arrays: C-contiguous arrays (all NumPy, or all CuPy on the bucket's device).
+        bucket: 1-D array; its dtype is the wire dtype (same as the arrays, or bfloat16 /
+            float16 for float32 arrays).
+        offsets: element offset of each array in the bucket (default: back to back from 0).
+        scale: multiplier applied in float32 (float64 for float64 data) before the cast.
+
+    Returns:
+        ``bucket``. On the GPU the copy is enqueued on the current stream.
+
+    Raises:
+        TypeError: mixed array libraries or dtypes, or an unsupported dtype pair.
+        ValueError: a non-contiguous array, or an array that does not fit in the bucket.
+    """
+    array_dtype, offsets, sizes = _validate(arrays, bucket, offsets, "pack")
+    if not sizes:
+        return bucket
+    if _is_cupy(bucket):
+        _launch("bucket_pack", arrays, bucket, offsets, sizes, array_dtype, scale, None)
+        return bucket
+    compute = _compute_dtype(array_dtype, _dtype_name(bucket.dtype))
+    same = bucket.dtype == arrays[0].dtype
+    with np.errstate(over="ignore", invalid="ignore"):  # inf / NaN follow IEEE, as on the GPU
+        _pack_numpy(arrays, bucket, offsets, sizes, scale, compute, same)
+    return bucket
+
+
+def _pack_numpy(arrays, bucket, offsets, sizes, scale, compute, same) -> None:
+    for array, offset, size in zip(arrays, offsets, sizes):
+        if size == 0:
+            continue
+        src, dst = array.reshape(-1), bucket[offset:offset + size]
+        if scale == 1.0:
+            dst[...] = src  # one rounding (nearest even), same as x * 1 then the cast
+        elif same and compute == bucket.dtype:
+            np.multiply(src, compute.type(scale), out=dst)
+        else:
+            np.multiply(src, compute.type(scale), out=dst, dtype=compute, casting="unsafe")
+
+
+def unpack(bucket: Any, arrays: Sequence[Any], *, offsets: Optional[Sequence[int]] = None,
+           scale: float = 1.0, loss_scale: Optional[float] = None,
+           found_inf: Optional[Any] = None) -> Sequence[Any]:
+    """Copy the flat ``bucket`` back into ``arrays``, scaling, unscaling and casting back.
+
+    Args:
+        bucket: 1-D array written by :func:`pack` (and usually all-reduced since).
+        arrays: destination arrays (one dtype); written in place.
+        offsets: element offset of each array in the bucket (default: back to back from 0).
+        scale: multiplier, e.g. ``1 / world_size`` to average a sum.
+        loss_scale: when given, values are also divided by it (mixed-precision unscaling).
+        found_inf: int32 array (same library as the bucket); element 0 is set to 1 when any
+            value written is inf or NaN, and left alone otherwise (zero it before the step).
+
+    Returns:
+        ``arrays``. On the GPU the copy is enqueued on the current stream.
+
+    Raises:
+        TypeError, ValueError: as for :func:`pack`; a found_inf that is not an int32 array.
+    """
+    array_dtype, offsets, sizes = _validate(arrays, bucket, offsets, "unpack")
+    _check_flag(found_inf, bucket)
+    if loss_scale is not None:
+        if not loss_scale or not np.isfinite(loss_scale):
+            raise ValueError(f"loss_scale must be finite and nonzero, got {loss_scale!r}")
+        scale = scale / float(loss_scale)
+    if not sizes:
+        return arrays
+    if _is_cupy(bucket):
+        _launch("bucket_unpack", arrays, bucket, offsets, sizes, array_dtype, scale, found_inf)
+        return arrays
+    compute = _compute_dtype(array_dtype, _dtype_name(bucket.dtype))
+    with np.errstate(over="ignore", invalid="ignore"):
+        bad = _unpack_numpy(bucket, arrays, offsets, sizes, scale, compute, found_inf is not None)
+    if bad:
+        found_inf.reshape(-1)[0] = 1
+    return arrays
+
+
+def _unpack_numpy(bucket, arrays, offsets, sizes, scale, compute, check) -> bool:
+    bad = False
+    for array, offset, size in zip(arrays, offsets, sizes):
+        if size == 0:
+            continue
+        src, dst = bucket[offset:offset + size], array.reshape(-1)
+        if scale == 1.0:
+            dst[...] = src
+        elif bucket.dtype == array.dtype == compute:
+            np.multiply(src, compute.type(scale), out=dst)
+        else:
+            np.multiply(src, compute.type(scale), out=dst, dtype=compute, casting="unsafe")
+        if check and not bad:
+            bad = not bool(np.isfinite(dst).all())
+    return bad
+
+
+# ---------------------------------------------------------------------------- GPU path
+def kernel_source(name: str) -> str:
+    """Source of ``kernels/<name>.cu`` with ``common.cuh`` inlined (for NVRTC)."""
+    for directory in _SOURCE_DIRS:
+        path = os.path.join(directory, name + ".cu")
+        if os.path.exists(path):
+            break
+    else:
+        raise FileNotFoundError(f"kernel source {name}.cu not found in {list(_SOURCE_DIRS)}")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    with open(os.path.join(directory, "common.cuh"), encoding="utf-8") as handle:
+        common = handle.read()
+    return text.replace('#include "common.cuh"', common)
+
+
+def _template_name(name: str, array_dtype: str, bucket_dtype: str) -> str:
+    if name == "bucket_pack":
+        src, dst = array_dtype, bucket_dtype
+    else:
+        src, dst = bucket_dtype, array_dtype
+    return f"gpucoll_{name}<{_C_TYPES[src]}, {_C_TYPES[dst]}>"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_id: int, name: str, array_dtype: str, bucket_dtype: str):
+    """Compiled kernel for one device and dtype pair (memoized: compiled once)."""
+    import cupy
+
+    expression = _template_name(name, array_dtype, bucket_dtype)
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(code=kernel_source(name), options=("--std=c++14",),
+                                name_expressions=[expression])
+        return module.get_function(expression)
+
+
+def launch_plan(sizes: Sequence[int], tile: int = TILE_ELEMS) -> List[Tuple[int, int, np.ndarray]]:
+    """Split arrays into launches: ``[(first, stop, block_start), ...]`` where ``block_start``
+    is the prefix sum of ``ceil(size / tile)`` over ``sizes[first:stop]``; a launch carries at
+    most ``MAX_ARRAYS_PER_LAUNCH`` arrays and ``MAX_BLOCKS_PER_LAUNCH`` blocks."""
+    blocks = -(-np.asarray(sizes, dtype=np.int64) // tile)
+    plan, first, n = [], 0, len(blocks)
+    while first < n:
+        stop = min(first + MAX_ARRAYS_PER_LAUNCH, n)
+        cumulative = np.cumsum(blocks[first:stop])
+        fits = int(np.searchsorted(cumulative, MAX_BLOCKS_PER_LAUNCH, side="right"))
+        if fits == 0:
+            raise ValueError(f"array of {sizes[first]} elements needs more than "
+                             f"{MAX_BLOCKS_PER_LAUNCH} blocks of {tile}")
+        stop = first + fits
+        plan.append((first, stop, np.concatenate(([0], cumulative[:fits])).astype(np.int64)))
+        first = stop
+    return plan
+
+
+def _launch(name: str, arrays: Sequence[Any], bucket: Any, offsets: List[int], sizes: List[int],
+            array_dtype: str, scale: float, found_inf: Any) -> None:
+    import cupy
+
+    bucket_dtype = _dtype_name(bucket.dtype)
+    kernel = _kernel(bucket.device.id, name, array_dtype, bucket_dtype)
+    pointers = np.array([array.data.ptr for array in arrays], dtype=np.uint64).view(np.int64)
+    offsets_np = np.asarray(offsets, dtype=np.int64)
+    sizes_np = np.asarray(sizes, dtype=np.int64)
+    if found_inf is None and name == "bucket_unpack":
+        flag, check = cupy.zeros(1, dtype=np.int32), 0
+    else:
+        flag, check = found_inf, 1
+    with bucket.device:
+        for first, stop, block_start in launch_plan(sizes):
+            grid = int(block_start[-1])
+            if grid == 0:
+                continue  # only zero-length arrays
+            table = cupy.asarray(np.concatenate((pointers[first:stop], offsets_np[first:stop],
+                                                 sizes_np[first:stop], block_start)))
+            args = [table, np.int32(stop - first), np.int64(TILE_ELEMS), bucket,
+                    np.float64(scale)]
+            if name == "bucket_unpack":
+                args += [np.int32(check), flag]
+            kernel((grid,), (THREADS_PER_BLOCK,), tuple(args))

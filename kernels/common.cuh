@@ -1,0 +1,148 @@
+// gpucoll kernels: shared helpers for the bucketing kernels.
+//
+// * dtype tags for the 16-bit floats (raw bits; conversions are written out here, so the
+//   sources need no CUDA headers and compile the same under nvcc and NVRTC),
+// * conversions to and from the compute type (float, or double when either side is double),
+//   rounding to nearest even, subnormals kept (no flush to zero),
+// * the work table lookup and the per-tile copy loop shared by pack and unpack.
+//
+// Work table (int64, 4 * n + 1 entries, device memory), for n arrays in one launch:
+//   [0, n)          array base addresses
+//   [n, 2n)         element offset of each array in the bucket
+//   [2n, 3n)        element count of each array
+//   [3n, 4n + 1)    prefix sum of blocks per array (ceil(count / tile)); block_start[n] = grid
+// Block b copies one tile (`tile` elements) of the array a with
+// block_start[a] <= b < block_start[a + 1]; zero-length arrays own no block.
+#pragma once
+
+namespace gpucoll {
+
+struct bf16_t { unsigned short bits; };
+struct f16_t { unsigned short bits; };
+
+template <typename A, typename B> struct compute_type { typedef float type; };
+template <typename B> struct compute_type<double, B> { typedef double type; };
+template <typename A> struct compute_type<A, double> { typedef double type; };
+template <> struct compute_type<double, double> { typedef double type; };
+
+template <typename C, typename T> struct convert;
+template <> struct convert<float, float> {
+  static __device__ __forceinline__ float to(float v) { return v; }
+  static __device__ __forceinline__ float from(float v) { return v; }
+};
+template <> struct convert<double, double> {
+  static __device__ __forceinline__ double to(double v) { return v; }
+  static __device__ __forceinline__ double from(double v) { return v; }
+};
+template <> struct convert<float, bf16_t> {
+  static __device__ __forceinline__ float to(bf16_t v) {
+    return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
+  }
+  static __device__ __forceinline__ bf16_t from(float v) {
+    unsigned u = __float_as_uint(v);
+    bf16_t r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      r.bits = static_cast<unsigned short>((u >> 16) | 0x0040u);  // quiet NaN, sign kept
+    } else {
+      u += 0x7fffu + ((u >> 16) & 1u);                             // round to nearest even
+      r.bits = static_cast<unsigned short>(u >> 16);
+    }
+    return r;
+  }
+};
+template <> struct convert<float, f16_t> {
+  static __device__ __forceinline__ float to(f16_t v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+  }
+  static __device__ __forceinline__ f16_t from(float v) {
+    f16_t r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+    return r;
+  }
+};
+
+__device__ __forceinline__ bool is_finite(float v) {
+  return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+__device__ __forceinline__ bool is_finite(double v) {
+  return (static_cast<unsigned long long>(__double_as_longlong(v)) & 0x7ff0000000000000ull) !=
+         0x7ff0000000000000ull;
+}
+
+template <typename T, int N> struct alignas(sizeof(T) * N) vec_t { T v[N]; };
+
+// Index of the array that owns block `block` (largest a with block_start[a] <= block).
+__device__ __forceinline__ int find_array(const long long* __restrict__ block_start, int n,
+                                          long long block) {
+  int lo = 0, hi = n;
+  while (hi - lo > 1) {
+    int mid = (lo + hi) >> 1;
+    if (block_start[mid] <= block) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Copy tile `k` (of `nblocks`) of `count` elements: out[i] = Out(C(in[i]) * scale).
+// 16-byte vector accesses when `in` and `out` reach 16-byte (resp. VEC-element) alignment at the
+// same element (checked here, per array, from the addresses); scalar head and tail otherwise.
+// With kCheck, returns (block-wide) whether any value written is not finite.
+template <typename In, typename Out, bool kCheck>
+__device__ __forceinline__ bool copy_tile(const In* __restrict__ in, Out* __restrict__ out,
+                                          long long count, long long k, long long nblocks,
+                                          long long tile,
+                                          typename compute_type<In, Out>::type scale) {
+  typedef typename compute_type<In, Out>::type C;
+  constexpr int kWide = sizeof(In) > sizeof(Out) ? sizeof(In) : sizeof(Out);
+  constexpr int VEC = 16 / kWide;
+  const unsigned long long in_addr = reinterpret_cast<unsigned long long>(in);
+  const unsigned long long out_addr = reinterpret_cast<unsigned long long>(out);
+
+  long long head = 0;
+  bool vector = false;
+  if (VEC > 1 && in_addr % sizeof(In) == 0 && out_addr % sizeof(Out) == 0) {
+    const unsigned long long in_bytes = VEC * sizeof(In), out_bytes = VEC * sizeof(Out);
+    const long long h = static_cast<long long>(((in_bytes - in_addr % in_bytes) % in_bytes) /
+                                               sizeof(In));
+    if (h < count && (out_addr + h * sizeof(Out)) % out_bytes == 0) {
+      vector = true;
+      head = h;
+    }
+  }
+  long long begin = k == 0 ? 0 : min(head + k * tile, count);
+  long long end = k == nblocks - 1 ? count : min(head + (k + 1) * tile, count);
+
+  bool bad = false;
+  long long scalar_from = begin, scalar_to = end, tail_from = end;
+  if (vector) {
+    const long long vbegin = max(begin, head);
+    const long long nvec = (end - vbegin) / VEC;
+    scalar_to = vbegin;                   // head (first tile only)
+    tail_from = vbegin + nvec * VEC;      // tail (last tile only)
+    const vec_t<In, VEC>* vin = reinterpret_cast<const vec_t<In, VEC>*>(in + vbegin);
+    vec_t<Out, VEC>* vout = reinterpret_cast<vec_t<Out, VEC>*>(out + vbegin);
+    for (long long i = threadIdx.x; i < nvec; i += blockDim.x) {
+      const vec_t<In, VEC> a = vin[i];
+      vec_t<Out, VEC> b;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        b.v[j] = convert<C, Out>::from(convert<C, In>::to(a.v[j]) * scale);
+        if (kCheck) bad |= !is_finite(convert<C, Out>::to(b.v[j]));
+      }
+      vout[i] = b;
+    }
+  }
+  for (long long i = scalar_from + threadIdx.x; i < scalar_to; i += blockDim.x) {
+    out[i] = convert<C, Out>::from(convert<C, In>::to(in[i]) * scale);
+    if (kCheck) bad |= !is_finite(convert<C, Out>::to(out[i]));
+  }
+  for (long long i = tail_from + threadIdx.x; i < end; i += blockDim.x) {
+    out[i] = convert<C, Out>::from(convert<C, In>::to(in[i]) * scale);
+    if (kCheck) bad |= !is_finite(convert<C, Out>::to(out[i]));
+  }
+  if (kCheck) return __syncthreads_or(bad) != 0;
+  return false;
+}
+
+}  // namespace gpucoll
