@@ -1,0 +1,298 @@
+"""The collectives ``gpucoll bench`` measures, and the inputs and checks they share.
+
+Each collective is one small :class:`Collective` subclass declaring its byte count, bus-bandwidth
+factor, buffers, data generator, checker and the matching torch.distributed (Gloo) call.
+Inputs come from :func:`pattern` (seed, rank, element index), so every rank computes its own
+expected result without extra communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from ..types import ReduceOp, combine_fn, finish_avg
+
+# ---------------------------------------------------------------- data and checks
+_BLOCK = 1 << 20  # elements generated or checked at a time (bounds the checker's memory)
+
+
+def pattern(seed: int, rank: int, count: int, dtype, op: Optional[ReduceOp] = None,
+            offset: int = 0) -> np.ndarray:
+    """Input of ``rank``: element ``i`` depends only on (seed, rank, offset + i).
+
+    Values are small integers so that every reduction order gives the same exact answer:
+    -8..8 (0..16 unsigned) for sum/avg/min/max, {-1, 1, 2} ({1, 2, 3} unsigned) for prod,
+    0..16 for the bitwise ops.
+    """
+    dtype = np.dtype(dtype)
+    index = np.arange(offset, offset + count, dtype=np.int64)
+    value = (index * 7 + rank * 13 + seed * 31) % 17
+    unsigned = dtype.kind == "u"
+    if op is ReduceOp.PROD:
+        value = np.array([1, 2, 3] if unsigned else [-1, 1, 2], np.int64)[value % 3]
+    elif op not in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and not unsigned:
+        value = value - 8
+    return value.astype(dtype)
+
+
+def expected_reduction(op: ReduceOp, seed: int, nranks: int, count: int, dtype,
+                       offset: int = 0) -> np.ndarray:
+    """The reduction over ranks 0..nranks-1 of :func:`pattern`, computed in ``dtype``."""
+    acc = pattern(seed, 0, count, dtype, op, offset)
+    combine = combine_fn(op, acc.dtype)
+    for rank in range(1, nranks):
+        combine(acc, pattern(seed, rank, count, dtype, op, offset))
+    if op is ReduceOp.AVG:
+        finish_avg(acc, nranks)
+    return acc
+
+
+def count_wrong(got: np.ndarray, expected: np.ndarray, nranks: int = 1) -> int:
+    """Elements of ``got`` that differ from ``expected``.
+
+    Integers must match exactly; floats within ``nranks`` ulps relative to the value (reduction
+    order and avg's division may round differently on another backend); NaN is always wrong.
+    """
+    got, expected = np.asarray(got).reshape(-1), np.asarray(expected).reshape(-1)
+    if got.shape != expected.shape:
+        return max(got.size, expected.size)
+    if got.dtype.kind != "f":
+        return int(np.count_nonzero(got != expected))
+    exp64, got64 = expected.astype(np.float64), got.astype(np.float64)
+    tolerance = float(np.finfo(got.dtype).eps) * max(nranks, 2) * np.maximum(np.abs(exp64), 1.0)
+    both_inf = np.isinf(exp64) & (got64 == exp64)
+    ok = both_inf | (np.abs(got64 - exp64) <= tolerance)
+    return int(np.count_nonzero(~ok))
+
+
+def _blocks(count: int):
+    for start in range(0, count, _BLOCK):
+        yield start, min(count, start + _BLOCK)
+
+
+# ---------------------------------------------------------------- collectives
+@dataclass
+class Buffers:
+    send: Any
+    recv: Any
+    count: int  # elements per rank (block elements for the blocked collectives)
+
+
+class Collective:
+    """One collective: sizes, bus-bandwidth factor, buffers, inputs, the call and its check.
+
+    Modes are ``"out"`` (out-of-place) and ``"in"`` (in-place); ``gloo_mode`` is the mode
+    torch.distributed's call matches, used for the ``--compare gloo`` ratio.
+    """
+
+    name = ""
+    reduces = False
+    rooted = False
+    blocked = False  # size column = nranks x block bytes
+    modes = ("out", "in")
+    gloo_mode = "in"
+
+    def bus_factor(self, nranks: int) -> float:
+        return 1.0
+
+    def count_for(self, nbytes: int, itemsize: int, nranks: int) -> int:
+        """Elements per rank (per block when blocked) for a requested size."""
+        return nbytes // (itemsize * nranks) if self.blocked else nbytes // itemsize
+
+    def size_of(self, count: int, itemsize: int, nranks: int) -> int:
+        """Bytes in the size column (and in algbw)."""
+        return count * itemsize * (nranks if self.blocked else 1)
+
+    def buffers(self, dev, count: int, dtype, nranks: int) -> Buffers:
+        return Buffers(dev.empty(count, dtype), dev.empty(count, dtype), count)
+
+    def input(self, seed, rank, nranks, count, dtype, op) -> np.ndarray:
+        return pattern(seed, rank, count, dtype, op)
+
+    def fill(self, dev, bufs: Buffers, mode: str, seed, rank, nranks, op, root) -> None:
+        """Put this rank's input where ``mode`` reads it; poison the output."""
+        host = self.input(seed, rank, nranks, bufs.count, bufs.send.dtype, op)
+        dev.put(bufs.recv if mode == "in" else bufs.send, host)
+        if mode == "out":
+            dev.put(bufs.recv, np.full(bufs.recv.size, 77, bufs.recv.dtype))
+
+    def run(self, comm, bufs: Buffers, mode: str, op, root) -> None:
+        raise NotImplementedError
+
+    def expected(self, seed, rank, nranks, bufs: Buffers, op, root, start, stop) -> Optional[np.ndarray]:
+        """Elements [start, stop) of this rank's flattened result (None: nothing to check)."""
+        raise NotImplementedError
+
+    def wrong(self, dev, bufs: Buffers, mode: str, seed, rank, nranks, op, root) -> int:
+        result = dev.get(bufs.recv).reshape(-1)
+        wrong = 0
+        for start, stop in _blocks(result.size):
+            expected = self.expected(seed, rank, nranks, bufs, op, root, start, stop)
+            if expected is not None:
+                wrong += count_wrong(result[start:stop], expected, nranks)
+        return wrong
+
+    def gloo(self, dist, send, recv, op, root, rank, nranks) -> None:
+        raise NotImplementedError
+
+
+class AllReduce(Collective):
+    name, reduces = "all_reduce", True
+
+    def bus_factor(self, nranks):
+        return 2.0 * (nranks - 1) / nranks
+
+    def run(self, comm, bufs, mode, op, root):
+        if mode == "in":
+            comm.all_reduce(bufs.recv, op)
+        else:
+            comm.all_reduce(bufs.send, op, out=bufs.recv)
+
+    def expected(self, seed, rank, nranks, bufs, op, root, start, stop):
+        return expected_reduction(op, seed, nranks, stop - start, bufs.recv.dtype, start)
+
+    def gloo(self, dist, send, recv, op, root, rank, nranks):
+        dist.all_reduce(recv, op=op)
+
+
+class Broadcast(Collective):
+    name, rooted, modes = "broadcast", True, ("in",)  # the API's broadcast is in place
+
+    def fill(self, dev, bufs, mode, seed, rank, nranks, op, root):
+        host = pattern(seed, rank, bufs.count, bufs.recv.dtype)
+        dev.put(bufs.recv, host if rank == root else np.full(bufs.count, 77, bufs.recv.dtype))
+
+    def run(self, comm, bufs, mode, op, root):
+        comm.broadcast(bufs.recv, root)
+
+    def expected(self, seed, rank, nranks, bufs, op, root, start, stop):
+        return pattern(seed, root, stop - start, bufs.recv.dtype, None, start)
+
+    def gloo(self, dist, send, recv, op, root, rank, nranks):
+        dist.broadcast(recv, src=root)
+
+
+class Reduce(Collective):
+    name, reduces, rooted = "reduce", True, True
+
+    def run(self, comm, bufs, mode, op, root):
+        if mode == "in":
+            comm.reduce(bufs.recv, root, op)
+        else:
+            comm.reduce(bufs.send, root, op, out=bufs.recv)
+
+    def expected(self, seed, rank, nranks, bufs, op, root, start, stop):
+        if rank != root:
+            return None  # only the root's result is defined
+        return expected_reduction(op, seed, nranks, stop - start, bufs.recv.dtype, start)
+
+    def gloo(self, dist, send, recv, op, root, rank, nranks):
+        dist.reduce(recv, dst=root, op=op)
+
+
+class AllGather(Collective):
+    name, blocked, modes, gloo_mode = "all_gather", True, ("out",), "out"
+
+    def bus_factor(self, nranks):
+        return (nranks - 1) / nranks
+
+    def buffers(self, dev, count, dtype, nranks):
+        return Buffers(dev.empty(count, dtype), dev.empty((nranks, count), dtype), count)
+
+    def run(self, comm, bufs, mode, op, root):
+        comm.all_gather(bufs.send, out=bufs.recv)
+
+    def expected(self, seed, rank, nranks, bufs, op, root, start, stop):
+        index = np.arange(start, stop)
+        owner, within = index // max(bufs.count, 1), index % max(bufs.count, 1)
+        values = np.empty(stop - start, bufs.recv.dtype)
+        for peer in np.unique(owner):
+            mask = owner == peer
+            first = int(within[mask][0])
+            values[mask] = pattern(seed, int(peer), int(mask.sum()), bufs.recv.dtype, None, first)
+        return values
+
+    def gloo(self, dist, send, recv, op, root, rank, nranks):
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(recv.reshape(-1), send)
+
+
+class ReduceScatter(Collective):
+    name, reduces, blocked, modes, gloo_mode = "reduce_scatter", True, True, ("out",), "out"
+
+    def bus_factor(self, nranks):
+        return (nranks - 1) / nranks
+
+    def buffers(self, dev, count, dtype, nranks):
+        return Buffers(dev.empty((nranks, count), dtype), dev.empty(count, dtype), count)
+
+    def input(self, seed, rank, nranks, count, dtype, op):
+        return pattern(seed, rank, count * nranks, dtype, op)
+
+    def run(self, comm, bufs, mode, op, root):
+        comm.reduce_scatter(bufs.send, op, out=bufs.recv)
+
+    def expected(self, seed, rank, nranks, bufs, op, root, start, stop):
+        return expected_reduction(op, seed, nranks, stop - start, bufs.recv.dtype,
+                                  rank * bufs.count + start)
+
+    def gloo(self, dist, send, recv, op, root, rank, nranks):
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(recv, send.reshape(-1), op=op)
+
+
+class AllToAll(Collective):
+    name, blocked, modes, gloo_mode = "all_to_all", True, ("out",), "out"
+
+    def bus_factor(self, nranks):
+        return (nranks - 1) / nranks
+
+    def buffers(self, dev, count, dtype, nranks):
+        return Buffers(dev.empty((nranks, count), dtype), dev.empty((nranks, count), dtype), count)
+
+    def input(self, seed, rank, nranks, count, dtype, op):
+        return pattern(seed, rank, count * nranks, dtype, op)
+
+    def run(self, comm, bufs, mode, op, root):
+        comm.all_to_all(bufs.send, out=bufs.recv)
+
+    def expected(self, seed, rank, nranks, bufs, op, root, start, stop):
+        # block j of the result is block `rank` of rank j's input
+        block = max(bufs.count, 1)
+        index = np.arange(start, stop)
+        owner, within = index // block, index % block
+        values = np.empty(stop - start, bufs.recv.dtype)
+        for peer in np.unique(owner):
+            mask = owner == peer
+            first = rank * bufs.count + int(within[mask][0])
+            values[mask] = pattern(seed, int(peer), int(mask.sum()), bufs.recv.dtype, None, first)
+        return values
+
+    def gloo(self, dist, send, recv, op, root, rank, nranks):
+        dist.all_to_all_single(recv.reshape(-1), send.reshape(-1))
+
+
+class SendRecv(Collective):
+    """Rank r sends to r+1 and receives from r-1 (a ring shift), as nccl-tests' sendrecv."""
+
+    name, modes, gloo_mode = "sendrecv", ("out",), "out"
+
+    def run(self, comm, bufs, mode, op, root):
+        work = comm.isend(bufs.send, (comm.rank + 1) % comm.size)
+        comm.recv(bufs.recv, (comm.rank - 1) % comm.size)
+        work.wait()
+
+    def expected(self, seed, rank, nranks, bufs, op, root, start, stop):
+        return pattern(seed, (rank - 1) % nranks, stop - start, bufs.recv.dtype, None, start)
+
+    def gloo(self, dist, send, recv, op, root, rank, nranks):
+        work = dist.isend(send, (rank + 1) % nranks)
+        dist.recv(recv, (rank - 1) % nranks)
+        work.wait()
+
+
+COLLECTIVES: Dict[str, Collective] = {c.name: c for c in (
+    AllReduce(), AllGather(), ReduceScatter(), Broadcast(), Reduce(), AllToAll(), SendRecv())}
