@@ -8,13 +8,14 @@ interleaved, size by size, so that drift in the machine's load hits all three al
 
 Columns follow nccl-tests: ``size`` is the bytes of the collective's full buffer (for
 all_gather / reduce_scatter the ``(n, m)`` array), ``count`` the elements per rank that the
-call names (all_gather / reduce_scatter: ``m``), ``time`` the slowest rank's mean time per call,
-``algbw = size / time`` and ``busbw = algbw * factor`` (all_reduce ``2(n-1)/n``; all_gather,
-reduce_scatter ``(n-1)/n``; broadcast 1). Each size is checked once against a NumPy
-expectation computed locally from inputs derived from (rank, index); ``#wrong`` counts the
-wrong elements over all ranks. ``ratio`` is ``gloo time / gpucoll time`` (above 1: gpucoll is
-faster). The raw two-way exchange rate of a Unix stream socket and of loopback TCP between
-two processes is measured first, as the ceiling a ring's busbw can reach.
+call names (all_gather / reduce_scatter: ``m``), ``time`` the mean time per call in the best
+of ``--rounds`` rounds (a round counts at its slowest rank), ``algbw = size / time`` and
+``busbw = algbw * factor`` (all_reduce ``2(n-1)/n``; all_gather, reduce_scatter ``(n-1)/n``;
+broadcast 1). Each size is checked once against a NumPy expectation computed locally from
+inputs derived from (rank, index); ``#wrong`` counts the wrong elements over all ranks.
+``ratio`` is ``gloo time / gpucoll time`` (above 1: gpucoll is faster). The raw two-way
+exchange rate of a Unix stream socket and of loopback TCP between two processes is measured
+first, as the ceiling a ring's busbw can reach.
 
     python bench/bench_cpu.py                  # world sizes 2 and 4, 8 B .. 256 MiB
     python bench/bench_cpu.py --quick          # a short run, 8 B .. 16 MiB
@@ -31,7 +32,6 @@ import faulthandler
 import gc as garbage_collector
 import importlib.util
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -46,7 +46,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -57,6 +57,7 @@ GPUCOLL_DEFAULT, GPUCOLL_TCP, GLOO = "gpucoll-default", "gpucoll-tcp", "gloo"
 ALL_VARIANTS = (GPUCOLL_DEFAULT, GPUCOLL_TCP, GLOO)
 ITEMSIZE = 4  # float32
 MIB = 1 << 20
+UNSTEADY_SPREAD = 2.0  # a row is marked "~" when a variant's rounds differ by more than this
 
 # ----------------------------------------------------------------------------- inputs and checks
 # Element i of rank r's input is f(r, i) = ((7 i + 1009 r) mod P) - P // 2. P is prime, so no
@@ -114,7 +115,7 @@ class Buffers:
 
 
 class Collective:
-    """One collective: its buffers, inputs, expected result, bus factor and the calls that run it."""
+    """One collective: buffers, inputs, expected result, bus factor and the calls that run it."""
 
     name = ""
 
@@ -316,49 +317,48 @@ def _open_variant(name: str, rank: int, n: int, port: int, timeout: float) -> Va
 
 
 def _measure_size(variants: List[Variant], collective: Collective, buf: Buffers, rank: int,
-                  n: int, opts, timed_total: int, index: int, broken: set) -> Dict[str, dict]:
-    """Check, warm up and time every variant on one (collective, size); {variant: cell}.
+                  n: int, opts, timed_total: int, index: int,
+                  broken: set) -> Tuple[Dict[str, dict], Dict[str, str]]:
+    """Check, warm up and time every variant on one (collective, size).
 
     Each variant's first call is checked. The timed calls are split into ``opts.rounds``
     rounds, and the variants take turns round by round, so that a burst of load from
-    elsewhere on the machine lands on all of them alike.
+    elsewhere on the machine lands on all of them alike. A variant that raises is added to
+    ``broken`` and skipped for the rest of this collective.
+
+    Returns:
+        ({variant: {"wrong", "round_seconds", "iters"}}, {variant: traceback of its failure})
     """
     cells: Dict[str, dict] = {}
-
-    def attempt(variant: Variant, step) -> bool:
-        if (collective.name, variant.name) in broken:
-            return False
-        try:
-            step()
-            return True
-        except Exception:
-            broken.add((collective.name, variant.name))
-            cells.pop(variant.name, None)
-            cells.setdefault("_failed", {})[variant.name] = traceback.format_exc()
-            return False
+    failures: Dict[str, str] = {}
+    warmup = max(1, min(50, timed_total // 5))
+    rounds = max(1, min(opts.rounds, timed_total))
+    per_round = -(-timed_total // rounds)
 
     def order(shift: int) -> List[Variant]:
         shift %= max(1, len(variants))
-        return variants[shift:] + variants[:shift]
+        return [v for v in variants[shift:] + variants[:shift]
+                if (collective.name, v.name) not in broken]
+
+    def attempt(variant: Variant, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception:
+            broken.add((collective.name, variant.name))
+            cells.pop(variant.name, None)
+            failures[variant.name] = traceback.format_exc()
 
     def check(variant: Variant) -> None:
         collective.prepare(buf, rank, n)
         variant.run(collective, buf)
-        cells[variant.name] = {"wrong": collective.check(buf, rank, n), "round_seconds": []}
-
-    for variant in order(index):
-        attempt(variant, lambda: check(variant))
-    collective.before_timing(buf)
-    warmup = max(1, min(5, timed_total // 10))
-    rounds = max(1, min(opts.rounds, timed_total))
-    per_round = -(-timed_total // rounds)
+        cells[variant.name] = {"wrong": collective.check(buf, rank, n), "round_seconds": [],
+                               "iters": per_round * rounds}
 
     def warm(variant: Variant) -> None:
         for _ in range(warmup):
             variant.run(collective, buf)
 
     def timed(variant: Variant) -> None:
-        garbage_collector.collect()
         variant.barrier()
         start = time.perf_counter()
         for _ in range(per_round):
@@ -366,20 +366,25 @@ def _measure_size(variants: List[Variant], collective: Collective, buf: Buffers,
         cells[variant.name]["round_seconds"].append((time.perf_counter() - start) / per_round)
 
     for variant in order(index):
+        attempt(variant, lambda: check(variant))
+    collective.before_timing(buf)
+    for variant in order(index):
         attempt(variant, lambda: warm(variant))
-    for round_index in range(rounds):
-        for variant in order(index + round_index):
-            attempt(variant, lambda: timed(variant))
-    for cell in cells.values():
-        if "round_seconds" in cell:
-            cell["iters"] = per_round * rounds
-    return cells
+    garbage_collector.disable()  # no cycle collection inside a timed loop (slow with torch loaded)
+    try:
+        for round_index in range(rounds):
+            for variant in order(index + round_index):
+                attempt(variant, lambda: timed(variant))
+    finally:
+        garbage_collector.enable()
+    return cells, failures
 
 
 def rank_main(rank: int, n: int, ports: Dict[str, int], opts, results) -> None:
     """Body of one spawned rank: open the variants, measure every (collective, size)."""
     if hasattr(faulthandler, "register"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent dumps stacks on timeout
+        # the parent dumps every rank's stacks with SIGUSR1 before it kills them on a timeout
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         variants = []
         for name in opts.variants:
@@ -394,10 +399,10 @@ def rank_main(rank: int, n: int, ports: Dict[str, int], opts, results) -> None:
                 count, in_shape, out_shape = collective.layout(nbytes, n)
                 total = collective.total_bytes(count, n)
                 buf = Buffers(in_shape, out_shape)
-                cells = _measure_size(variants, collective, buf, rank, n, opts,
-                                      iterations(total, opts), index, broken)
+                cells, failures = _measure_size(variants, collective, buf, rank, n, opts,
+                                                iterations(total, opts), index, broken)
                 del buf
-                for name, text in cells.pop("_failed", {}).items():
+                for name, text in failures.items():
                     results.put(("failed", rank, collective.name, name, text))
                 for name, cell in cells.items():
                     results.put(("row", rank, collective.name, nbytes, name,
@@ -497,12 +502,13 @@ def raw_exchange(ctx, nbytes: int, reps: int, timeout: float) -> Dict[str, dict]
                     _, role, times = results.get(timeout=1.0)
                     per_role[role] = times
                 except queue_module.Empty:
-                    if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    failed = any(p.exitcode not in (None, 0) for p in procs)
+                    if failed or time.monotonic() > deadline:
                         raise RuntimeError(f"raw {kind} exchange failed or timed out") from None
             slowest = [max(a, b) for a, b in zip(per_role[0], per_role[1])]
             each_way = [nbytes / t / 1e9 for t in slowest]
-            rates[kind] = {"bytes": nbytes, "reps": reps, "gbps_median": statistics.median(each_way),
-                           "gbps_best": max(each_way), "gbps_all": each_way}
+            rates[kind] = {"bytes": nbytes, "reps": reps, "gbps_best": max(each_way),
+                           "gbps_median": statistics.median(each_way), "gbps_all": each_way}
         except RuntimeError as exc:
             rates[kind] = {"error": str(exc)}
         finally:
@@ -549,6 +555,7 @@ class Table:
         self.info: Dict[str, str] = {}
         self.keys = [(c, s) for c in opts.collectives for s in opts.sizes]
         self.printed = 0
+        self.unsteady = 0  # rows where some variant's slowest round took > UNSTEADY_SPREAD x its best
         self.rows: List[dict] = []
 
     def ready(self, key) -> bool:
@@ -592,7 +599,7 @@ class Table:
         collective, nbytes = key
         factor = COLLECTIVES[collective].bus_factor(self.n)
         cells = self.cells.get(key, {})
-        line, times, first = "", {}, None
+        line, times, first, unsteady = "", {}, None, False
         for name in self.info:
             per_rank = cells.get(name, {})
             if len(per_rank) < self.n:
@@ -603,24 +610,31 @@ class Table:
             rounds = [max(cell["round_seconds"][i] for cell in per_rank.values())
                       for i in range(min(len(cell["round_seconds"]) for cell in per_rank.values()))]
             seconds = min(rounds)
+            unsteady = unsteady or max(rounds) > UNSTEADY_SPREAD * seconds
             wrong = sum(r["wrong"] for r in per_rank.values())
             algbw = first["bytes"] / seconds / 1e9
             times[name] = seconds
             line += f"  {seconds * 1e6:10.1f} {algbw:8.3f} {algbw * factor:8.3f} {wrong:8d}"
             self.rows.append({"world_size": self.n, "collective": collective, "variant": name,
-                              "info": self.info[name], "requested_bytes": nbytes, "bytes": first["bytes"],
+                              "info": self.info[name], "requested_bytes": nbytes,
+                              "bytes": first["bytes"],
                               "count": first["count"], "iters": first["iters"],
                               "time_us": seconds * 1e6, "algbw_gbps": algbw,
                               "busbw_gbps": algbw * factor, "wrong": wrong,
                               "round_time_us": [t * 1e6 for t in rounds],
-                              "round_time_us_per_rank": {r: [t * 1e6 for t in per_rank[r]["round_seconds"]]
-                                                         for r in sorted(per_rank)}})
+                              "unsteady": max(rounds) > UNSTEADY_SPREAD * seconds,
+                              "round_time_us_per_rank": {
+                                  r: [t * 1e6 for t in per_rank[r]["round_seconds"]]
+                                  for r in sorted(per_rank)}})
         if GLOO in self.info:
             for name in (v for v in self.info if v != GLOO):
                 ratio = times[GLOO] / times[name] if GLOO in times and name in times else None
                 line += "  " + _fmt(ratio, 7, 2)
         size = first["bytes"] if first else nbytes
         count = first["count"] if first else "-"
+        if unsteady:
+            line += "  ~"
+            self.unsteady += 1
         print(f" {size:>11} {count:>11}" + line, file=self.out, flush=True)
 
 
@@ -676,7 +690,8 @@ def run_world(ctx, n: int, opts, out) -> Tuple[Table, List[str]]:
 def _ratio_rows(rows: List[dict]) -> Dict[tuple, Dict[str, float]]:
     by_key: Dict[tuple, Dict[str, dict]] = {}
     for row in rows:
-        by_key.setdefault((row["world_size"], row["collective"], row["bytes"]), {})[row["variant"]] = row
+        key = (row["world_size"], row["collective"], row["bytes"])
+        by_key.setdefault(key, {})[row["variant"]] = row
     ratios = {}
     for key, cells in by_key.items():
         if GLOO in cells:
@@ -708,9 +723,9 @@ def summarize(rows: List[dict], raw: Dict[str, dict], opts, out) -> dict:
                              "min_ratio_from_1MiB": low and low[0], "at_bytes": low and low[1],
                              "max_ratio_from_1MiB": high and high[0]}
                     summary["ratios"].append(entry)
-                    cell = lambda p: f"{p[0]:8.2f} at {_human(p[1]):>9}" if p else f"{'-':>20}"  # noqa: E731
-                    print(f" {n:>6} {collective:>15} {name:>16} {points[0][1]:8.2f} at "
-                          f"{_human(points[0][0]):>8} {cell(low):>24} {cell(high):>24}", file=out)
+                    print(f" {n:>6} {collective:>15} {name:>16} "
+                          f"{_ratio_cell((points[0][1], points[0][0])):>20} "
+                          f"{_ratio_cell(low):>24} {_ratio_cell(high):>24}", file=out)
     if raw and any(r["collective"] == "all_reduce" for r in rows):
         print("\n# Largest all_reduce busbw as a fraction of the best raw two-way rate of its "
               "transport", file=out)
@@ -736,6 +751,10 @@ def summarize(rows: List[dict], raw: Dict[str, dict], opts, out) -> dict:
     return summary
 
 
+def _ratio_cell(point: Optional[Tuple[float, int]]) -> str:
+    return f"{point[0]:8.2f} at {_human(point[1]):>9}" if point else f"{'-':>20}"
+
+
 def _human(nbytes: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
         if nbytes >= scale and nbytes % scale == 0:
@@ -750,7 +769,8 @@ def _parse_bytes(text: str) -> int:
     number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = stripped[len(number):]
     if not number or unit not in units:
-        raise argparse.ArgumentTypeError(f"expected a byte count such as 8, 64K or 256M, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count such as 8, 64K or 256M, got {text!r}")
     return int(float(number) * units[unit])
 
 
@@ -759,7 +779,8 @@ def _csv(choices):
         names = [name.strip() for name in text.split(",") if name.strip()]
         unknown = [name for name in names if name not in choices]
         if unknown or not names:
-            raise argparse.ArgumentTypeError(f"{unknown or text!r}: choose from {', '.join(choices)}")
+            raise argparse.ArgumentTypeError(
+                f"{unknown or text!r}: choose from {', '.join(choices)}")
         return names
     return parse
 
@@ -795,11 +816,12 @@ def parse_args(argv=None):
     opts.step_factor = opts.step_factor or (8 if opts.quick else 4)
     if opts.step_factor < 2 or opts.min_bytes > opts.max_bytes or min(opts.world_sizes) < 2:
         parser.error("need --step-factor >= 2, --min-bytes <= --max-bytes, world sizes >= 2")
-    opts.raw_bytes = (16 * MIB if opts.quick else 64 * MIB) if opts.raw_bytes is None else opts.raw_bytes
+    if opts.raw_bytes is None:
+        opts.raw_bytes = 16 * MIB if opts.quick else 64 * MIB
     opts.sizes = size_grid(opts.min_bytes, opts.max_bytes, opts.step_factor)
     # timed calls per size: target_bytes / size, clamped (the check and warm-up calls come on top)
-    opts.target_bytes = 16 * MIB if opts.quick else 256 * MIB
-    opts.min_iters, opts.max_iters = (2, 30) if opts.quick else (3, 300)
+    opts.target_bytes = 32 * MIB if opts.quick else 1 << 30
+    opts.min_iters, opts.max_iters = (3, 100) if opts.quick else (6, 300)
     return opts
 
 
@@ -809,8 +831,8 @@ def main(argv=None) -> int:
     torch_version = None
     if GLOO in opts.variants:
         if importlib.util.find_spec("torch") is None:
-            print("# Gloo skipped: torch is not installed (a CPU build is enough: pip install torch)",
-                  file=out)
+            print("# Gloo skipped: torch is not installed (a CPU build is enough: "
+                  "pip install torch)", file=out)
             opts.variants = [v for v in opts.variants if v != GLOO]
         else:
             from importlib.metadata import version
@@ -823,11 +845,11 @@ def main(argv=None) -> int:
             "python": platform.python_version(), "platform": platform.platform(),
             "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
             "args": {k: v for k, v in vars(opts).items()}}
-    print(f"# gpucoll {meta['gpucoll']}  torch {torch_version or 'not installed'}  numpy "
+    print(f"# gpucoll {meta['gpucoll']}  torch {torch_version or '-'}  numpy "
           f"{np.__version__}  python {meta['python']}  {os.cpu_count()} CPUs  load average "
           + " ".join(f"{x:.2f}" for x in meta["loadavg_start"]), file=out)
     print(f"# sizes {_human(opts.sizes[0])} .. {_human(opts.sizes[-1])} (x{opts.step_factor}); "
-          f"timed calls per size: {opts.target_bytes // MIB} MiB / size within "
+          f"timed calls per size: {_human(opts.target_bytes)} / size within "
           f"[{opts.min_iters}, {opts.max_iters}], after one checked call and warm-up, split "
           f"into {opts.rounds} rounds;\n# time = the best round's mean per call on its slowest "
           "rank; the variants take turns round by round", file=out)
@@ -841,19 +863,22 @@ def main(argv=None) -> int:
             if "error" in r:
                 print(f"#   {kind:<4}: {r['error']}", file=out)
             else:
-                print(f"#   {kind:<4}: {r['gbps_median']:.3f} GB/s each way (median of {r['reps']}; "
-                      f"best {r['gbps_best']:.3f})", file=out, flush=True)
+                print(f"#   {kind:<4}: {r['gbps_median']:.3f} GB/s each way (median of "
+                      f"{r['reps']}; best {r['gbps_best']:.3f})", file=out, flush=True)
 
-    rows, problems = [], []
+    rows, problems, unsteady = [], [], 0
     for n in opts.world_sizes:
         table, world_problems = run_world(ctx, n, opts, out)
         rows += table.rows
         problems += world_problems
+        unsteady += table.unsteady
     summary = summarize(rows, raw, opts, out)
     wrong = sum(r["wrong"] for r in rows)
     meta["loadavg_end"] = os.getloadavg()
     meta["seconds"] = time.time() - started
     print(f"\n# {len(rows)} measurements, {wrong} wrong elements, {len(problems)} failures, "
+          f"{unsteady} rows marked ~ (a variant's slowest round took more than "
+          f"{UNSTEADY_SPREAD:g}x its best: the machine was busy; rerun for firm numbers), "
           f"{meta['seconds']:.0f} s; load average at the end "
           + " ".join(f"{x:.2f}" for x in meta["loadavg_end"]), file=out)
     for problem in problems:
