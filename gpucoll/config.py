@@ -90,14 +90,15 @@ _GPUCOLL = [
     Setting("GPUCOLL_HOST", str, "",
             "Address this rank publishes for TCP peers. Empty: the address of the interface "
             "that routes to the store (MASTER_ADDR)."),
-    Setting("GPUCOLL_SOCKET_BUFFER", _parse_bytes, 4 << 20,
-            "SO_SNDBUF / SO_RCVBUF asked for on peer sockets (the kernel caps it at "
-            "net.core.wmem_max / rmem_max)."),
+    Setting("GPUCOLL_SOCKET_BUFFER", _parse_bytes, 0,
+            "SO_SNDBUF / SO_RCVBUF for peer sockets (capped by net.core.wmem_max / rmem_max). "
+            "0: the kernel's autotuning for TCP, 4 MiB for Unix sockets."),
     Setting("GPUCOLL_CHUNK_BYTES", _parse_bytes, 256 << 10,
             "Pipelining granularity of the ring: bytes received before they are reduced."),
-    Setting("GPUCOLL_RING_THRESHOLD", _parse_bytes, 64 << 10,
-            "Messages of at least this many bytes use the ring all-reduce; smaller ones use "
-            "recursive doubling."),
+    Setting("GPUCOLL_RING_THRESHOLD", _parse_bytes, 256 << 10,
+            "All-reduces whose per-rank share (bytes / world size) is at least this use the "
+            "ring; smaller ones use recursive doubling. Broadcast and reduce switch to their "
+            "bandwidth algorithms at 16x and 64x this share."),
     Setting("GPUCOLL_ALGORITHM", str, "auto",
             "Force algorithms, e.g. `all_reduce=ring` or `all_reduce=recursive_doubling,"
             "broadcast=ring` (`auto`: chosen by size and world size)."),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Callable, Dict, Union
 
 import numpy as np
@@ -51,6 +52,7 @@ DTYPES: Dict[str, tuple] = {
     "bool": (15, None),
 }
 _BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+_CODE_OF: dict = {}
 
 
 def wire_code(dtype) -> int:
@@ -59,12 +61,21 @@ def wire_code(dtype) -> int:
     Raises:
         TypeError: the dtype is not supported (object, strings, structured...).
     """
+    try:
+        return _CODE_OF[dtype]
+    except (KeyError, TypeError):
+        pass
     name = np.dtype(dtype).name
     try:
-        return DTYPES[name][0]
+        code = DTYPES[name][0]
     except KeyError:
         supported = ", ".join(DTYPES)
         raise TypeError(f"dtype {name} is not supported; supported dtypes: {supported}") from None
+    try:
+        _CODE_OF[dtype] = code  # memoized per dtype object (hot path)
+    except TypeError:
+        pass
+    return code
 
 
 def dtype_from_code(code: int) -> str:
@@ -94,6 +105,7 @@ _UFUNCS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def combine_fn(op: ReduceOp, dtype) -> Callable[[np.ndarray, np.ndarray], None]:
     """In-place combiner ``f(dst, src)``: ``dst = dst (op) src`` elementwise, no allocation.
 

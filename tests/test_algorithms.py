@@ -658,28 +658,29 @@ def test_get_rejects_unknown_names() -> None:
 
 
 def test_select_by_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    threshold = 64 << 10
+    threshold = 64 << 10  # per-rank share
     kw = dict(ring_threshold=threshold)
-    assert select("all_reduce", threshold, 4, itemsize=4, **kw) == "ring"
-    assert select("all_reduce", threshold - 1, 4, itemsize=4, **kw) == "recursive_doubling"
-    assert select("all_reduce", 64, 9, itemsize=8, ring_threshold=64) == "recursive_doubling"
-    assert select("all_reduce", 72, 9, itemsize=8, ring_threshold=64) == "ring"
-    assert select("broadcast", 1 << 20, 8, **kw) == "scatter_allgather"
-    assert select("broadcast", 1 << 20, 2, **kw) == "binomial"
-    assert select("broadcast", 100, 8, **kw) == "binomial"
-    assert select("reduce", 1 << 20, 8, **kw) == "ring"
-    assert select("reduce", 100, 8, **kw) == "binomial"
-    assert select("reduce_scatter", 1 << 20, 8, **kw) == "ring"
-    assert select("reduce_scatter", 100, 8, **kw) == "direct"
-    assert select("all_gather", 1 << 20, 8, **kw) == "ring"
-    assert select("all_gather", 100, 8, **kw) == "direct"
+    assert select("all_reduce", 4 * threshold, 4, itemsize=4, **kw) == "ring"
+    assert select("all_reduce", 4 * threshold - 1, 4, itemsize=4, **kw) == "recursive_doubling"
+    assert select("all_reduce", 9 * 7, 9, itemsize=8, ring_threshold=7) == "recursive_doubling"
+    assert select("all_reduce", 9 * 8, 9, itemsize=8, ring_threshold=8) == "ring"
+    assert select("broadcast", 8 * 16 * threshold, 8, **kw) == "scatter_allgather"
+    assert select("broadcast", 8 * 16 * threshold - 8, 8, **kw) == "binomial"
+    assert select("broadcast", 1 << 30, 2, **kw) == "binomial"
+    assert select("reduce", 8 * 64 * threshold, 8, **kw) == "ring"
+    assert select("reduce", 8 * 64 * threshold - 8, 8, **kw) == "binomial"
+    assert select("reduce", 1 << 30, 2, **kw) == "binomial"
+    for collective in ("reduce_scatter", "all_gather"):
+        assert select(collective, 1 << 30, 8, **kw) == "direct"
+        assert select(collective, 9 * threshold, 9, **kw) == "ring"
+        assert select(collective, 9 * threshold - 9, 9, **kw) == "direct"
     for collective in ("gather", "scatter", "all_to_all"):
         assert select(collective, 1 << 30, 8, **kw) == "direct"
     assert select("barrier", 0, 8, **kw) == "dissemination"
     # The default threshold comes from the configuration.
     monkeypatch.setenv("GPUCOLL_RING_THRESHOLD", "1KiB")
-    assert select("all_reduce", 1024, 4) == "ring"
-    assert select("all_reduce", 1023, 4) == "recursive_doubling"
+    assert select("all_reduce", 4096, 4) == "ring"
+    assert select("all_reduce", 4095, 4) == "recursive_doubling"
     with pytest.raises(ValueError, match="unknown collective"):
         select("allgather", 10, 2)
 

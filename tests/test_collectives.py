@@ -171,6 +171,42 @@ def test_all_reduce_forced_algorithms():
             pool.close()
 
 
+def test_bandwidth_algorithms_over_sockets():
+    """The large-message algorithms forced at small sizes, over real sockets, 3 and 4 ranks."""
+    override = ("broadcast=scatter_allgather,reduce=ring,all_gather=ring,reduce_scatter=ring,"
+                "all_reduce=ring")
+    for n in (3, 4):
+        pool = RankPool(n, env={"GPUCOLL_ALGORITHM": override})
+        try:
+            for name in ("broadcast", "reduce"):
+                cases = [(8000 + 10 * root + i, (count,), "float64", "sum", root, "out")
+                         for root in range(n) for i, count in enumerate((0, 1, 13, 1001))]
+                results = pool.run(rank_rooted, name, cases)
+                for rank, by_case in enumerate(results):
+                    for case_id, shape, dtype, op, root, _ in cases:
+                        if name == "broadcast":
+                            expected = make_input(case_id, root, shape, dtype, op)
+                        elif rank == root:
+                            expected = reduce_reference(_stack(case_id, n, shape, dtype, op), op)
+                        else:
+                            assert by_case[case_id] is None
+                            continue
+                        assert_equal_result(by_case[case_id], expected, f"{name} {case_id}")
+            cases = [(8500 + c, (c,), "int32", "sum", "out") for c in (0, 1, 13, 1001)]
+            for name in ("all_gather", "reduce_scatter"):
+                results = pool.run(rank_gather_like, name, cases)
+                for rank, by_case in enumerate(results):
+                    for case_id, shape, dtype, op, _ in cases:
+                        if name == "all_gather":
+                            expected = _stack(case_id, n, shape, dtype, op)
+                        else:
+                            full = [make_input(case_id, r, (n,) + shape, dtype, op) for r in range(n)]
+                            expected = reduce_reference(np.stack([f[rank] for f in full]), op)
+                        assert_equal_result(by_case[case_id], expected, f"{name} {case_id}")
+        finally:
+            pool.close()
+
+
 @pytest.mark.parametrize("name", ["broadcast", "reduce", "gather", "scatter"])
 def test_rooted_collectives_every_root(pool, name):
     n = pool.world_size

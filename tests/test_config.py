@@ -18,7 +18,7 @@ def test_typed_values_and_defaults():
     assert config.get("GPUCOLL_CHUNK_BYTES", env) == 256 << 10
     assert config.get("GPUCOLL_TRANSPORT", env) == "tcp"
     assert config.get("RANK", env) == 3
-    assert config.get("GPUCOLL_RING_THRESHOLD", {}) == 64 << 10
+    assert config.get("GPUCOLL_RING_THRESHOLD", {}) == 256 << 10
     assert config.get("WORLD_SIZE", {}) is None
     assert config.get("GPUCOLL_TIMEOUT", {"GPUCOLL_TIMEOUT": ""}) == 300.0
 

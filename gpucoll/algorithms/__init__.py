@@ -119,18 +119,21 @@ def select(collective: str, nbytes: int, world_size: int,
         override: ``{collective: algorithm}`` from :func:`parse_override`; wins when it names
             ``collective``.
         itemsize: element size, to turn ``nbytes`` into a count.
-        ring_threshold: bytes from which bandwidth-optimal algorithms are used; default
-            ``GPUCOLL_RING_THRESHOLD``.
+        ring_threshold: per-rank share (``nbytes / world_size``) from which the ring
+            all-reduce is used; default ``GPUCOLL_RING_THRESHOLD``.
 
-    Rules (``large`` means ``nbytes >= ring_threshold``):
+    Rules (``share = nbytes / world_size``; ``T = ring_threshold``, 256 KiB by default). The
+    crossovers were measured with the CPU backend on loopback (2 and 4 ranks on 2 cores,
+    ``bench/RESULTS.md``): moving fewer bytes in total beats neighbour-only links until
+    messages are large, so the bandwidth algorithms start late:
 
-    - all_reduce: ``ring`` when large and ``count >= world_size``, else
+    - all_reduce: ``ring`` when ``share >= T`` and ``count >= world_size``, else
       ``recursive_doubling``.
-    - reduce_scatter, all_gather: ``ring`` when large and ``world_size > 2`` (neighbour links
-      only, bounded scratch; the same bytes as ``direct``), else ``direct`` (one step).
-    - broadcast: ``scatter_allgather`` when large and ``world_size > 2`` (the root sends ``N``
-      instead of ``ceil(log2 n) * N``), else ``binomial``.
-    - reduce: ``ring`` when large and ``world_size > 2``, else ``binomial``.
+    - reduce_scatter, all_gather: ``direct`` (one step, the same bytes as the ring) up to 8
+      ranks; beyond, ``ring`` when ``share >= T`` (neighbour links, bounded scratch).
+    - broadcast: ``scatter_allgather`` when ``world_size > 2`` and ``share >= 16 T`` (the root
+      sends ``N`` instead of ``ceil(log2 n) * N``), else ``binomial``.
+    - reduce: ``ring`` when ``world_size > 2`` and ``share >= 64 T``, else ``binomial``.
     - gather, scatter, all_to_all: ``direct``; barrier: ``dissemination``.
 
     Raises:
@@ -143,14 +146,15 @@ def select(collective: str, nbytes: int, world_size: int,
         return name
     if ring_threshold is None:
         ring_threshold = config.get("GPUCOLL_RING_THRESHOLD")
-    large = nbytes >= ring_threshold
+    share = nbytes / max(1, world_size)
     if collective == "all_reduce":
         count = nbytes // max(1, itemsize)
-        return "ring" if large and count >= world_size else "recursive_doubling"
+        return "ring" if share >= ring_threshold and count >= world_size else "recursive_doubling"
     if collective in ("reduce_scatter", "all_gather"):
-        return "ring" if large and world_size > 2 else "direct"
+        return "ring" if world_size > 8 and share >= ring_threshold else "direct"
     if collective == "broadcast":
-        return "scatter_allgather" if large and world_size > 2 else "binomial"
+        return ("scatter_allgather" if world_size > 2 and share >= 16 * ring_threshold
+                else "binomial")
     if collective == "reduce":
-        return "ring" if large and world_size > 2 else "binomial"
+        return "ring" if world_size > 2 and share >= 64 * ring_threshold else "binomial"
     return next(iter(table))

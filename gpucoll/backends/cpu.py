@@ -56,8 +56,8 @@ class CPUCommunicator(Communicator):
 
     def __init__(self, store: Store, rank: int, size: int, *, comm_id: str, token: str,
                  timeout: float, transport_mode: str = "auto", advertise_host: str = "127.0.0.1",
-                 socket_buffer: int = 4 << 20, chunk_bytes: int = 256 << 10,
-                 ring_threshold: int = 64 << 10, algorithm_override: Optional[dict] = None,
+                 socket_buffer: int = 0, chunk_bytes: int = 256 << 10,
+                 ring_threshold: int = 256 << 10, algorithm_override: Optional[dict] = None,
                  debug: bool = False, owns_store: bool = True):
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is out of range for world_size={size}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
 HEADER = struct.Struct("<BBHIQQ")
@@ -53,7 +53,7 @@ class Frame:
     tag: int = 0
 
     def with_tag(self, tag: int) -> "Frame":
-        return replace(self, tag=tag)
+        return Frame(self.op, self.seq, self.dtype, tag)
 
     def pack(self, nbytes: int, kind: int = KIND_DATA) -> bytes:
         return HEADER.pack(OP_CODES[self.op], self.dtype, kind, self.tag & 0xFFFFFFFF,
