@@ -306,7 +306,6 @@ def _peer_matrices(cupy, count: int, nbytes: int, repeats: int):
                 copy = lambda d, s, n: runtime.memcpyPeerAsync(d.data.ptr, j, s.data.ptr, i, n, stream)  # noqa: E731
                 bandwidth[i][j] = nbytes / _event_seconds(cupy, lambda: copy(dst, src, nbytes), repeats) / 1e9
                 latency[i][j] = _event_seconds(cupy, lambda: copy(tiny_dst, tiny_src, 4), 100) * 1e6
-            del dst, tiny_dst
     return access, bandwidth, latency
 
 
