@@ -159,6 +159,7 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         comm = gpucoll.init()                        # under `gpucoll run -n 2 script.py`
         comm = gpucoll.init(backend="cpu", rank=r, world_size=2, url="tcp://127.0.0.1:29500")
     """
+    log.setLevel(config.get("GPUCOLL_LOG_LEVEL").upper())
     for name in config.unknown_names():
         warnings.warn(f"unknown environment variable {name} (not a gpucoll setting; typo?)",
                       stacklevel=2)
@@ -203,6 +204,8 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         ring_threshold=config.get("GPUCOLL_RING_THRESHOLD"),
         algorithm_override=_algorithm_override(), debug=config.get("GPUCOLL_DEBUG"),
         owns_store=owns_store)
+    log.info("rank %d of %d: backend %s, store %s, comm %s", rank, world_size, backend,
+             url if owns_store else type(store).__name__, settings["comm_id"])
     try:
         return _BACKENDS[backend](store, rank, world_size, **settings)
     except BaseException:

@@ -15,7 +15,6 @@ without NCCL.
 
 from __future__ import annotations
 
-import logging
 import struct
 import threading
 import time
@@ -38,8 +37,6 @@ from .ordering import Channel, OpOrder
 from .staging import Staged
 
 __all__ = ["CPUCommunicator"]
-
-log = logging.getLogger("gpucoll")
 
 _SIGNATURE = struct.Struct("<BBBBiQQ8Q")  # op, redop, dtype, ndim, root, seq, count, shape[8]
 _REDOPS = {op: i for i, op in enumerate(ReduceOp, start=1)}
