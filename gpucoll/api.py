@@ -21,7 +21,8 @@ from . import config
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CommTimeoutError, StoreError
 
-__all__ = ["init", "register_backend", "detect_environment", "LaunchEnv", "available_backends"]
+__all__ = ["init", "register_backend", "detect_environment", "LaunchEnv", "available_backends",
+           "resolve_backend"]
 
 log = logging.getLogger("gpucoll")
 
@@ -97,15 +98,71 @@ def _cpu_factory(store, rank, world_size, **settings) -> Communicator:
     return CPUCommunicator(store, rank, world_size, **settings)
 
 
+def _nccl_factory(store, rank, world_size, **settings) -> Communicator:
+    from .backends.nccl import NCCLCommunicator
+
+    return NCCLCommunicator(store, rank, world_size, device=config.get("GPUCOLL_DEVICE"),
+                            watchdog_interval=config.get("GPUCOLL_WATCHDOG_INTERVAL"), **settings)
+
+
 register_backend("cpu", _cpu_factory)
+register_backend("nccl", _nccl_factory)
+
+
+def _nccl_unavailable() -> Optional[str]:
+    from .transports.nccl import unavailable_reason
+
+    return unavailable_reason()
 
 
 def available_backends() -> Dict[str, str]:
-    """backend name -> "available" or the reason it is not."""
+    """backend name -> "available" or the reason it is not (imports CuPy to find out)."""
     result = {name: "available" for name in _BACKENDS}
-    if "nccl" not in result:
-        result["nccl"] = "not provided by this installation of gpucoll"
+    if "nccl" in result:
+        result["nccl"] = _nccl_unavailable() or "available"
     return result
+
+
+def _shared_gpu_reason(local_size: Optional[int]) -> Optional[str]:
+    """Why NCCL cannot give each of ``local_size`` ranks on this host a GPU (None: it can)."""
+    from .transports.nccl import device_count, nccl_version_code
+
+    count = device_count()
+    if local_size is None or local_size <= count:
+        return None
+    if config.get("NCCL_MULTI_RANK_GPU_ENABLE") and nccl_version_code() >= 23000:
+        return None
+    return (f"{local_size} ranks on this host share {count} GPU(s); NCCL needs one GPU per rank "
+            f"(or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+
+
+def resolve_backend(backend: Optional[str] = None, local_size: Optional[int] = None) -> str:
+    """The backend ``init(backend=...)`` would use: "auto" becomes "nccl" when CuPy, NCCL and
+    a GPU are usable and each of the ``local_size`` ranks on this host can have a GPU of its
+    own (or NCCL may share one), else "cpu".
+
+    Raises:
+        BackendUnavailableError: "nccl" was asked for and cannot run here (says how to fix it).
+        ValueError: unknown backend name.
+    """
+    backend = (backend or config.get("GPUCOLL_BACKEND")).lower()
+    if backend == "auto":
+        if "nccl" not in _BACKENDS:
+            return "cpu"
+        reason = _nccl_unavailable() or _shared_gpu_reason(local_size)
+        if reason is not None:
+            log.info("backend auto: cpu (NCCL is not usable: %s)", reason)
+        return "cpu" if reason is not None else "nccl"
+    if backend not in _BACKENDS:
+        raise ValueError(f"init(): unknown backend {backend!r}; available: {sorted(_BACKENDS)}")
+    if backend == "nccl":
+        reason = _nccl_unavailable()
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"backend 'nccl' cannot run here: {reason}. Use backend='cpu' (CuPy arrays are "
+                f"staged through host memory) or backend='auto'; `gpucoll doctor` shows what "
+                f"is installed")
+    return backend
 
 
 def _route_address(host: str, port: int) -> str:
@@ -176,15 +233,7 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     if not timeout > 0:
         raise ValueError(f"init(): timeout must be positive, got {timeout}")
 
-    backend = (backend or config.get("GPUCOLL_BACKEND")).lower()
-    if backend == "auto":
-        backend = "cpu"  # the only backend this installation provides
-    if backend not in _BACKENDS:
-        if backend == "nccl":
-            raise BackendUnavailableError(
-                "backend 'nccl' is not available in this installation of gpucoll; use "
-                "backend='cpu' (CuPy arrays are staged through host memory)")
-        raise ValueError(f"init(): unknown backend {backend!r}; available: {sorted(_BACKENDS)}")
+    backend = resolve_backend(backend, env.local_size if env.world_size == world_size else None)
 
     token = config.get("GPUCOLL_AUTH_TOKEN")
     url = url or config.get("GPUCOLL_INIT_URL")

@@ -5,6 +5,8 @@ Subcommands:
     bench: nccl-tests-style bandwidth sweep of one or all collectives; see :mod:`gpucoll.perf`.
     topo: GPUs, links and measured copy bandwidths (or the host's, without a GPU); see
         :mod:`gpucoll.topo`.
+    doctor: environment report for the NCCL backend (CuPy, CUDA, NCCL wheels, GPUs, which
+        backend ``auto`` picks); see :mod:`gpucoll.doctor`.
 
 Example::
 
@@ -13,6 +15,7 @@ Example::
     GPUCOLL_AUTH_TOKEN=... gpucoll run -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 train.py
     gpucoll bench all_reduce -g 4 -b 8 -e 64M -f 4 --json ar.json
     gpucoll topo --json topo.json
+    gpucoll doctor --strict
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ _RUN_VALUE_OPTIONS = frozenset({
 
 
 def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The top-level parser and the ``run`` subparser (``bench`` and ``topo`` are added too)."""
+    """The top-level parser and the ``run`` subparser (``bench``, ``topo`` and ``doctor`` are
+    added too)."""
     parser = argparse.ArgumentParser(
         prog="gpucoll", description="GPU-native collectives for Python: launcher and tools.",
         allow_abbrev=False)
@@ -72,6 +76,7 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the program")
     _add_bench_parser(commands)
     _add_topo_parser(commands)
+    _add_doctor_parser(commands)
     return parser, run
 
 
@@ -141,6 +146,28 @@ def _add_topo_parser(commands) -> None:
     topo.add_argument("--quick", action="store_true",
                       help="fewer repetitions and smaller sizes (for smoke tests)")
     topo.set_defaults(handler=_cmd_topo, subparser=topo)
+
+
+def _add_doctor_parser(commands) -> None:
+    from . import doctor
+
+    parser = commands.add_parser(
+        "doctor", allow_abbrev=False, help="environment report for the NCCL backend",
+        description="Report gpucoll, Python, CuPy, CUDA runtime and driver, and NCCL versions; "
+                    "which libnccl.so.2 was loaded (pip wheel or system); the GPUs and their "
+                    "peer access; and which backend 'auto' picks. Warns about clashing CuPy or "
+                    "NCCL wheels and prints the pip commands that fix them.",
+        epilog="Exit status: 0 when the report was produced (also without a GPU); with "
+               "--strict, 1 when there is a warning.")
+    doctor.add_arguments(parser)
+    parser.set_defaults(handler=_cmd_doctor, subparser=parser)
+
+
+def _cmd_doctor(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> int:
+    from . import doctor
+
+    return doctor.main((["--json"] if namespace.json else [])
+                       + (["--strict"] if namespace.strict else []))
 
 
 def _cmd_bench(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> int:
@@ -237,7 +264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     Returns:
         The exit code: the job's for ``run``; for ``bench`` 0 when every result was right and
-        1 otherwise; 0 for ``topo``; 2 for a usage error; 0 after ``--help``.
+        1 otherwise; 0 for ``topo``; 0 for ``doctor`` (1 for warnings under ``--strict``);
+        2 for a usage error; 0 after ``--help``.
     """
     words = list(sys.argv[1:] if argv is None else argv)
     parser, run_parser = build_parser()
@@ -248,7 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if namespace.command is None:
             parser.print_help(sys.stderr)
             return 2
-        if namespace.command in ("bench", "topo"):
+        if namespace.command in ("bench", "topo", "doctor"):
             return namespace.handler(namespace.subparser, namespace)
         parser.error(f"unknown command {namespace.command!r}")
     except SystemExit as exc:  # argparse's --help, --version and usage errors

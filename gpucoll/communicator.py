@@ -44,6 +44,7 @@ class Communicator(abc.ABC):
     # ------------------------------------------------------------------ checks
     def _array(self, x: Array, name: str) -> Array:
         """Return ``x`` as the backend's array type, checking type, dtype and contiguity."""
+        x = self._import_array(x, name)
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array (NumPy, CuPy), got {type(x).__name__}")
         wire_code(x.dtype)  # TypeError for unsupported dtypes
@@ -52,6 +53,37 @@ class Communicator(abc.ABC):
             raise ValueError(f"{name} must be C-contiguous (got strides {tuple(x.strides)} for "
                              f"shape {_shape_of(x)}); pass np.ascontiguousarray({name})")
         return x
+
+    def _import_array(self, x: Array, name: str) -> Array:
+        """The backend's view of a caller's array (identity here; the NCCL backend takes CuPy
+        arrays, ``__cuda_array_interface__`` and DLPack objects without a copy)."""
+        return x
+
+    _converts_arrays = False  # True when _import_array may return a different object
+
+    def _hand_back(self, result: Any, *pairs: Any) -> Any:
+        """Map a backend result to what the caller passed: ``pairs`` is (view, original, ...).
+
+        A result that is one of the views becomes the caller's original object; a new array
+        is exported in the caller's array type (see ``_export``). A ``Work`` maps its result
+        when it is read.
+        """
+        if not self._converts_arrays or result is None:
+            return result
+        if isinstance(result, Work):
+            result._map = lambda value: self._hand_back(value, *pairs)
+            return result
+        like = None
+        for i in range(0, len(pairs), 2):
+            if result is pairs[i] and pairs[i] is not None:
+                return pairs[i + 1]
+            if like is None:
+                like = pairs[i + 1]
+        return self._export(result, like) if like is not None else result
+
+    def _export(self, result: Array, like: Array) -> Array:
+        """A new result array in the type of the caller's array ``like`` (identity here)."""
+        return result
 
     @staticmethod
     def _writable(x: Array, name: str) -> None:
@@ -91,7 +123,7 @@ class Communicator(abc.ABC):
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, x: Array, op: Union[ReduceOp, str] = "sum", *, out: Optional[Array] = None,
-                   async_op: bool = False):
+                   async_op: bool = False, stream: Any = None):
         """Reduce ``x`` across all ranks; every rank gets the result.
 
         Args:
@@ -99,6 +131,9 @@ class Communicator(abc.ABC):
             op: sum, prod, min, max, avg, or band/bor/bxor on integers.
             out: where to write the result; None reduces ``x`` in place.
             async_op: return a ``Work`` instead of blocking.
+            stream: GPU backends: the CUDA stream to enqueue on (a CuPy stream, an object with
+                ``cuda_stream`` or ``__cuda_stream__``, or a raw pointer); default the caller's
+                current CuPy stream. The CPU backend uses it for staging copies only.
 
         Returns:
             The result array (``out`` or ``x``), or a ``Work`` when ``async_op``.
@@ -109,15 +144,17 @@ class Communicator(abc.ABC):
             comm.all_reduce(x)                # both: [3, 3, 3, 3]
         """
         op = ReduceOp.parse(op)
+        x_in, out_in = x, out
         x = self._array(x, "x")
         check_op_dtype(op, x.dtype)
         if out is None:
             self._writable(x, "x")
         else:
             out = self._out(out, _shape_of(x), x.dtype)
-        return self._all_reduce(x, op, out, async_op)
+        return self._hand_back(self._all_reduce(x, op, out, async_op, stream),
+                               x, x_in, out, out_in)
 
-    def broadcast(self, x: Array, root: int = 0, *, async_op: bool = False):
+    def broadcast(self, x: Array, root: int = 0, *, async_op: bool = False, stream: Any = None):
         """Copy ``x`` from ``root`` into ``x`` on every other rank (in place).
 
         Example (two ranks)::
@@ -126,13 +163,13 @@ class Communicator(abc.ABC):
             comm.broadcast(x, root=0)         # both: [0, 1, 2]
         """
         root = self._root(root)
-        x = self._array(x, "x")
+        x_in, x = x, self._array(x, "x")
         if self.rank != root:
             self._writable(x, "x")
-        return self._broadcast(x, root, async_op)
+        return self._hand_back(self._broadcast(x, root, async_op, stream), x, x_in)
 
     def reduce(self, x: Array, root: int = 0, op: Union[ReduceOp, str] = "sum", *,
-               out: Optional[Array] = None, async_op: bool = False):
+               out: Optional[Array] = None, async_op: bool = False, stream: Any = None):
         """Reduce ``x`` across ranks into ``out`` (or ``x``) on ``root``.
 
         Returns:
@@ -144,6 +181,7 @@ class Communicator(abc.ABC):
         """
         op = ReduceOp.parse(op)
         root = self._root(root)
+        x_in, out_in = x, out
         x = self._array(x, "x")
         check_op_dtype(op, x.dtype)
         if self.rank == root:
@@ -153,22 +191,25 @@ class Communicator(abc.ABC):
                 out = self._out(out, _shape_of(x), x.dtype)
         else:
             out = None
-        return self._reduce(x, root, op, out, async_op)
+        return self._hand_back(self._reduce(x, root, op, out, async_op, stream),
+                               x, x_in, out, out_in)
 
-    def all_gather(self, x: Array, *, out: Optional[Array] = None, async_op: bool = False):
+    def all_gather(self, x: Array, *, out: Optional[Array] = None, async_op: bool = False,
+                   stream: Any = None):
         """Gather every rank's ``x`` into ``out`` of shape ``(size, *x.shape)`` on every rank.
 
         Example (two ranks)::
 
             comm.all_gather(np.array([comm.rank]))  # both: [[0], [1]]
         """
+        x_in, out_in = x, out
         x = self._array(x, "x")
         if out is not None:
             out = self._out(out, (self.size,) + _shape_of(x), x.dtype)
-        return self._all_gather(x, out, async_op)
+        return self._hand_back(self._all_gather(x, out, async_op, stream), out, out_in, x, x_in)
 
     def reduce_scatter(self, x: Array, op: Union[ReduceOp, str] = "sum", *,
-                       out: Optional[Array] = None, async_op: bool = False):
+                       out: Optional[Array] = None, async_op: bool = False, stream: Any = None):
         """Reduce ``x`` (shape ``(size, *chunk)``) across ranks; rank r gets block r.
 
         Example (two ranks)::
@@ -177,14 +218,16 @@ class Communicator(abc.ABC):
             comm.reduce_scatter(x)            # rank 0: [3.]; rank 1: [6.]
         """
         op = ReduceOp.parse(op)
+        x_in, out_in = x, out
         x = self._array(x, "x")
         check_op_dtype(op, x.dtype)
         chunk = self._leading(x, "x")
         if out is not None:
             out = self._out(out, chunk, x.dtype)
-        return self._reduce_scatter(x, op, out, async_op)
+        return self._hand_back(self._reduce_scatter(x, op, out, async_op, stream),
+                               out, out_in, x, x_in)
 
-    def gather(self, x: Array, root: int = 0, *, out: Optional[Array] = None):
+    def gather(self, x: Array, root: int = 0, *, out: Optional[Array] = None, stream: Any = None):
         """Gather every rank's ``x`` into ``out`` (shape ``(size, *x.shape)``) on ``root``.
 
         Returns:
@@ -195,14 +238,16 @@ class Communicator(abc.ABC):
             comm.gather(np.array([comm.rank * 10]), root=0)  # rank 0: [[0], [10]]
         """
         root = self._root(root)
+        x_in, out_in = x, out
         x = self._array(x, "x")
         if self.rank == root and out is not None:
             out = self._out(out, (self.size,) + _shape_of(x), x.dtype)
         elif self.rank != root:
             out = None
-        return self._gather(x, root, out)
+        return self._hand_back(self._gather(x, root, out, stream), out, out_in, x, x_in)
 
-    def scatter(self, x: Optional[Array], root: int = 0, *, out: Optional[Array] = None):
+    def scatter(self, x: Optional[Array], root: int = 0, *, out: Optional[Array] = None,
+                stream: Any = None):
         """Send block r of ``x`` (shape ``(size, *chunk)``, read on ``root`` only) to rank r.
 
         Args:
@@ -216,6 +261,7 @@ class Communicator(abc.ABC):
             comm.scatter(x, root=0, out=np.empty(1, np.int64))  # rank 0: [1]; rank 1: [2]
         """
         root = self._root(root)
+        x_in, out_in = x, out
         if self.rank == root or x is not None:
             if x is None:
                 raise ValueError("scatter: x is required on the root rank")
@@ -229,10 +275,11 @@ class Communicator(abc.ABC):
                                  f"buffer) or x (for its shape and dtype)")
             out = self._array(out, "out")
             self._writable(out, "out")
-        return self._scatter(x if self.rank == root else None, root, out,
-                             None if x is None else (self._leading(x, "x"), x.dtype))
+        result = self._scatter(x if self.rank == root else None, root, out,
+                               None if x is None else (self._leading(x, "x"), x.dtype), stream)
+        return self._hand_back(result, out, out_in, x, x_in)
 
-    def all_to_all(self, x: Array, *, out: Optional[Array] = None):
+    def all_to_all(self, x: Array, *, out: Optional[Array] = None, stream: Any = None):
         """Rank r sends block j of ``x`` (shape ``(size, *chunk)``) to rank j, which stores it
         as its block r.
 
@@ -241,16 +288,17 @@ class Communicator(abc.ABC):
             x = np.array([[comm.rank * 2], [comm.rank * 2 + 1]])
             comm.all_to_all(x)   # rank 0: [[0], [2]]; rank 1: [[1], [3]]
         """
+        x_in, out_in = x, out
         x = self._array(x, "x")
         self._leading(x, "x")
         if out is not None:
             out = self._out(out, _shape_of(x), x.dtype)
-            if out is x:
+            if out is x or out_in is x_in:
                 raise ValueError("all_to_all: out must not be x (no in-place all_to_all)")
-        return self._all_to_all(x, out)
+        return self._hand_back(self._all_to_all(x, out, stream), out, out_in, x, x_in)
 
     # ------------------------------------------------------------------ point to point
-    def send(self, x: Array, dst: int, *, tag: int = 0) -> None:
+    def send(self, x: Array, dst: int, *, tag: int = 0, stream: Any = None) -> None:
         """Send ``x`` to rank ``dst``; returns when ``x`` may be reused.
 
         Messages between two ranks arrive in the order they were sent; the receiver's
@@ -258,27 +306,27 @@ class Communicator(abc.ABC):
         """
         dst = self._peer(dst, "dst")
         x = self._array(x, "x")
-        self._send(x, dst, self._tag(tag), async_op=False)
+        self._send(x, dst, self._tag(tag), False, stream)
 
-    def recv(self, out: Array, src: int, *, tag: int = 0):
+    def recv(self, out: Array, src: int, *, tag: int = 0, stream: Any = None):
         """Receive into ``out`` from rank ``src`` (shape and dtype must match the sent array)."""
         src = self._peer(src, "src")
-        out = self._array(out, "out")
+        out_in, out = out, self._array(out, "out")
         self._writable(out, "out")
-        return self._recv(out, src, self._tag(tag), async_op=False)
+        return self._hand_back(self._recv(out, src, self._tag(tag), False, stream), out, out_in)
 
-    def isend(self, x: Array, dst: int, *, tag: int = 0) -> Work:
+    def isend(self, x: Array, dst: int, *, tag: int = 0, stream: Any = None) -> Work:
         """Start sending ``x`` to ``dst``; don't modify ``x`` until the Work completes."""
         dst = self._peer(dst, "dst")
         x = self._array(x, "x")
-        return self._send(x, dst, self._tag(tag), async_op=True)
+        return self._send(x, dst, self._tag(tag), True, stream)
 
-    def irecv(self, out: Array, src: int, *, tag: int = 0) -> Work:
+    def irecv(self, out: Array, src: int, *, tag: int = 0, stream: Any = None) -> Work:
         """Start receiving into ``out`` from ``src``; read ``out`` after the Work completes."""
         src = self._peer(src, "src")
-        out = self._array(out, "out")
+        out_in, out = out, self._array(out, "out")
         self._writable(out, "out")
-        return self._recv(out, src, self._tag(tag), async_op=True)
+        return self._hand_back(self._recv(out, src, self._tag(tag), True, stream), out, out_in)
 
     @staticmethod
     def _tag(tag: int) -> int:
@@ -346,34 +394,34 @@ class Communicator(abc.ABC):
 
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod
-    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool): ...
+    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None): ...
 
     @abc.abstractmethod
-    def _broadcast(self, x, root: int, async_op: bool): ...
+    def _broadcast(self, x, root: int, async_op: bool, stream=None): ...
 
     @abc.abstractmethod
-    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool): ...
+    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None): ...
 
     @abc.abstractmethod
-    def _all_gather(self, x, out, async_op: bool): ...
+    def _all_gather(self, x, out, async_op: bool, stream=None): ...
 
     @abc.abstractmethod
-    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool): ...
+    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None): ...
 
     @abc.abstractmethod
-    def _gather(self, x, root: int, out): ...
+    def _gather(self, x, root: int, out, stream=None): ...
 
     @abc.abstractmethod
-    def _scatter(self, x, root: int, out, template): ...
+    def _scatter(self, x, root: int, out, template, stream=None): ...
 
     @abc.abstractmethod
-    def _all_to_all(self, x, out): ...
+    def _all_to_all(self, x, out, stream=None): ...
 
     @abc.abstractmethod
-    def _send(self, x, dst: int, tag: int, async_op: bool): ...
+    def _send(self, x, dst: int, tag: int, async_op: bool, stream=None): ...
 
     @abc.abstractmethod
-    def _recv(self, out, src: int, tag: int, async_op: bool): ...
+    def _recv(self, out, src: int, tag: int, async_op: bool, stream=None): ...
 
     @abc.abstractmethod
     def _barrier(self, timeout: float) -> None: ...

@@ -110,6 +110,12 @@ _GPUCOLL = [
             "rank 0 does not start one."),
     Setting("GPUCOLL_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "Level of the `gpucoll` logger."),
+    Setting("GPUCOLL_DEVICE", int, None,
+            "NCCL backend: the GPU this rank uses. Default: the local rank modulo the number of "
+            "visible GPUs."),
+    Setting("GPUCOLL_WATCHDOG_INTERVAL", float, 0.05,
+            "NCCL backend: seconds between the watchdog's checks of outstanding GPU work and "
+            "of NCCL's asynchronous errors."),
 ]
 
 _LAUNCHERS = [
@@ -138,6 +144,10 @@ _LAUNCHERS = [
     Setting("PMI_SIZE", int, None, "Number of ranks under MPICH (PMI).", "pmi"),
     Setting("MPI_LOCALRANKID", int, None, "Rank on this host under MPICH (Hydra).", "pmi"),
     Setting("MPI_LOCALNRANKS", int, None, "Ranks on this host under MPICH (Hydra).", "pmi"),
+    # NCCL's own variable, read (never set) to decide whether backend "auto" may put several
+    # local ranks on one GPU
+    Setting("NCCL_MULTI_RANK_GPU_ENABLE", _parse_bool, False,
+            "NCCL >= 2.30: allow several ranks on one GPU (experimental).", "nccl"),
 ]
 
 SETTINGS: Dict[str, Setting] = {s.name: s for s in _GPUCOLL + _LAUNCHERS}
@@ -194,7 +204,8 @@ def markdown_table() -> str:
         default = "" if setting.default in (None, "") else f"`{setting.default}`"
         lines.append(f"| `{setting.name}` | {setting.type_name} | {default} | {setting.doc} |")
     lines.append("")
-    lines.append("Launcher variables read by `init()` (rank, size, local rank, store address):")
+    lines.append("Other variables read by `init()` (launchers: rank, size, local rank, store "
+                 "address; NCCL: whether ranks may share a GPU):")
     lines.append("")
     groups: Dict[str, List[str]] = {}
     for setting in SETTINGS.values():

@@ -38,6 +38,7 @@ class Work:
         self._done = threading.Event()
         self._result: Any = None
         self._exception: Optional[BaseException] = None
+        self._map: Optional[Callable[[Any], Any]] = None  # result -> what the caller passed
 
     # called by the backend -------------------------------------------------
     def _finish(self, result: Any = None, exception: Optional[BaseException] = None) -> None:
@@ -81,7 +82,7 @@ class Work:
     def result(self, timeout: Optional[float] = None) -> Any:
         """Wait, then return the operation's output array (None for sends)."""
         self.wait(timeout)
-        return self._result
+        return self._result if self._map is None else self._map(self._result)
 
     def __repr__(self) -> str:
         state = "done" if self.is_completed() else "pending"

@@ -15,7 +15,6 @@ without NCCL.
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from collections import defaultdict
@@ -29,18 +28,15 @@ from ..communicator import Communicator
 from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutError, GpucollError,
                       PeerError)
 from ..rendezvous.store import PrefixStore, Store
-from ..transports.base import OP_CODES, Frame, Recv
+from ..transports.base import Frame, Recv
 from ..transports.socket import SocketTransport
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
 from ..work import Work
+from . import signature
 from .ordering import Channel, OpOrder
 from .staging import Staged
 
 __all__ = ["CPUCommunicator"]
-
-_SIGNATURE = struct.Struct("<BBBBiQQ8Q")  # op, redop, dtype, ndim, root, seq, count, shape[8]
-_REDOPS = {op: i for i, op in enumerate(ReduceOp, start=1)}
-
 
 def _flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1)
@@ -193,50 +189,22 @@ class CPUCommunicator(Communicator):
         """GPUCOLL_DEBUG: compare (op, dtype, shape, root, seq) across ranks before the op."""
         if not self._debug or self.size == 1:
             return
-        shape = tuple(shape)
-        dims = list(shape[:8]) + [0] * (8 - min(len(shape), 8))
-        count = int(np.prod(shape)) if shape else 1
-        mine = _SIGNATURE.pack(OP_CODES[name], _REDOPS.get(op, 0), wire_code(dtype) if dtype else 0,
-                               len(shape), root, seq, count, *dims)
+        mine = signature.pack(name, seq, dtype, shape, op, root)
         peers = [p for p in range(self.size) if p != self.rank]
-        got = {p: bytearray(_SIGNATURE.size) for p in peers}
+        got = {p: bytearray(signature.SIGNATURE.size) for p in peers}
         self._transport.exchange([(p, memoryview(mine)) for p in peers],
                                  [Recv(p, memoryview(got[p])) for p in peers],
                                  Frame("debug_check", seq), deadline)
         signatures = {p: bytes(b) for p, b in got.items()}
         signatures[self.rank] = mine
-        if len(set(signatures.values())) == 1:
-            return
-        holders: Dict[bytes, List[int]] = {}
-        for r in sorted(signatures):
-            holders.setdefault(signatures[r], []).append(r)
-        reference = max(holders, key=lambda sig: (len(holders[sig]), -holders[sig][0]))
-        odd = sorted(r for r, sig in signatures.items() if sig != reference)
-        ref_rank = holders[reference][0]
-        lines = [f"rank {r} called {self._describe(signatures[r])}" for r in odd]
-        raise CollectiveMismatchError(
-            f"collective mismatch at op #{seq}: rank {ref_rank} (and {len(holders[reference]) - 1} more) "
-            f"called {self._describe(reference)}, but " + "; ".join(lines),
-            rank=self.rank, peer=odd[0], op=name, seq=seq)
-
-    @staticmethod
-    def _describe(signature: bytes) -> str:
-        from ..transports.base import OP_NAMES
-        from ..types import dtype_from_code
-
-        op, redop, dtype, ndim, root, seq, count, *dims = _SIGNATURE.unpack(signature)
-        redops = {v: k.value for k, v in _REDOPS.items()}
-        parts = [f"dtype={dtype_from_code(dtype) if dtype else '-'}", f"shape={tuple(dims[:ndim])}"]
-        if redop:
-            parts.append(f"op={redops[redop]}")
-        if root >= 0:
-            parts.append(f"root={root}")
-        return f"{OP_NAMES.get(op, op)} #{seq}({', '.join(parts)})"
+        error = signature.mismatch_error(signatures, self.rank, name, seq)
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ collectives
-    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool):
+    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
         seq = self._next_seq()
-        src, dst = Staged(x), (Staged(out) if out is not None else None)
+        src, dst = Staged(x, stream), (Staged(out, stream) if out is not None else None)
         target = dst if dst is not None else src
 
         def body(deadline: float):
@@ -255,9 +223,9 @@ class CPUCommunicator(Communicator):
 
         return self._submit("all_reduce", seq, self._order.all_channels, body, async_op)
 
-    def _broadcast(self, x, root: int, async_op: bool):
+    def _broadcast(self, x, root: int, async_op: bool, stream=None):
         seq = self._next_seq()
-        buf = Staged(x)
+        buf = Staged(x, stream)
 
         def body(deadline: float):
             self._debug_check("broadcast", seq, deadline, buf.host.dtype, buf.host.shape, root=root)
@@ -271,10 +239,10 @@ class CPUCommunicator(Communicator):
 
         return self._submit("broadcast", seq, self._order.all_channels, body, async_op)
 
-    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool):
+    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None):
         seq = self._next_seq()
-        src = Staged(x)
-        dst = Staged(out) if out is not None else (src if self.rank == root else None)
+        src = Staged(x, stream)
+        dst = Staged(out, stream) if out is not None else (src if self.rank == root else None)
 
         def body(deadline: float):
             self._debug_check("reduce", seq, deadline, src.host.dtype, src.host.shape, op, root)
@@ -295,11 +263,11 @@ class CPUCommunicator(Communicator):
 
         return self._submit("reduce", seq, self._order.all_channels, body, async_op)
 
-    def _all_gather(self, x, out, async_op: bool):
+    def _all_gather(self, x, out, async_op: bool, stream=None):
         seq = self._next_seq()
-        src = Staged(x)
-        dst = Staged(out) if out is not None else Staged.empty(
-            (self.size,) + src.host.shape, src.host.dtype, like=src)
+        src = Staged(x, stream)
+        dst = Staged(out, stream) if out is not None else Staged.empty(
+            (self.size,) + src.host.shape, src.host.dtype, like=src, stream=stream)
 
         def body(deadline: float):
             self._debug_check("all_gather", seq, deadline, src.host.dtype, src.host.shape)
@@ -314,11 +282,11 @@ class CPUCommunicator(Communicator):
 
         return self._submit("all_gather", seq, self._order.all_channels, body, async_op)
 
-    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool):
+    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
         seq = self._next_seq()
-        src = Staged(x)
-        dst = Staged(out) if out is not None else Staged.empty(
-            src.host.shape[1:], src.host.dtype, like=src)
+        src = Staged(x, stream)
+        dst = Staged(out, stream) if out is not None else Staged.empty(
+            src.host.shape[1:], src.host.dtype, like=src, stream=stream)
 
         def body(deadline: float):
             self._debug_check("reduce_scatter", seq, deadline, src.host.dtype, src.host.shape, op)
@@ -336,13 +304,13 @@ class CPUCommunicator(Communicator):
 
         return self._submit("reduce_scatter", seq, self._order.all_channels, body, async_op)
 
-    def _gather(self, x, root: int, out):
+    def _gather(self, x, root: int, out, stream=None):
         seq = self._next_seq()
-        src = Staged(x)
+        src = Staged(x, stream)
         dst = None
         if self.rank == root:
-            dst = Staged(out) if out is not None else Staged.empty(
-                (self.size,) + src.host.shape, src.host.dtype, like=src)
+            dst = Staged(out, stream) if out is not None else Staged.empty(
+                (self.size,) + src.host.shape, src.host.dtype, like=src, stream=stream)
 
         def body(deadline: float):
             self._debug_check("gather", seq, deadline, src.host.dtype, src.host.shape, root=root)
@@ -360,14 +328,14 @@ class CPUCommunicator(Communicator):
 
         return self._submit("gather", seq, self._order.all_channels, body, False)
 
-    def _scatter(self, x, root: int, out, template):
+    def _scatter(self, x, root: int, out, template, stream=None):
         seq = self._next_seq()
-        src = Staged(x) if self.rank == root else None
+        src = Staged(x, stream) if self.rank == root else None
         if out is not None:
-            dst = Staged(out)
+            dst = Staged(out, stream)
         else:
             chunk, dtype = template
-            dst = Staged.empty(chunk, dtype, like=src)
+            dst = Staged.empty(chunk, dtype, like=src, stream=stream)
 
         def body(deadline: float):
             self._debug_check("scatter", seq, deadline, dst.host.dtype, dst.host.shape, root=root)
@@ -384,11 +352,11 @@ class CPUCommunicator(Communicator):
 
         return self._submit("scatter", seq, self._order.all_channels, body, False)
 
-    def _all_to_all(self, x, out):
+    def _all_to_all(self, x, out, stream=None):
         seq = self._next_seq()
-        src = Staged(x)
-        dst = Staged(out) if out is not None else Staged.empty(src.host.shape, src.host.dtype,
-                                                                like=src)
+        src = Staged(x, stream)
+        dst = Staged(out, stream) if out is not None else Staged.empty(
+            src.host.shape, src.host.dtype, like=src, stream=stream)
 
         def body(deadline: float):
             self._debug_check("all_to_all", seq, deadline, src.host.dtype, src.host.shape)
@@ -410,9 +378,9 @@ class CPUCommunicator(Communicator):
             number = self._p2p_seq[channel]
         return Frame("send", number, wire_code(dtype), tag)
 
-    def _send(self, x, dst: int, tag: int, async_op: bool):
+    def _send(self, x, dst: int, tag: int, async_op: bool, stream=None):
         self._check_alive()
-        src = Staged(x)
+        src = Staged(x, stream)
         frame = self._p2p_frame(("send", dst), tag, src.host.dtype)
 
         def body(deadline: float):
@@ -421,9 +389,9 @@ class CPUCommunicator(Communicator):
 
         return self._submit("send", frame.seq, [("send", dst)], body, async_op)
 
-    def _recv(self, out, src: int, tag: int, async_op: bool):
+    def _recv(self, out, src: int, tag: int, async_op: bool, stream=None):
         self._check_alive()
-        dst = Staged(out)
+        dst = Staged(out, stream)
         frame = self._p2p_frame(("recv", src), tag, dst.host.dtype)
 
         def body(deadline: float):

@@ -5,7 +5,8 @@ Run with::
 
     gpucoll run -n 4 -m gpucoll.examples.allreduce [--max-bytes 64MiB]
 
-Uses NCCL when this installation provides it and a GPU is present, else the CPU backend.
+Uses NCCL on CuPy arrays when CuPy, NCCL and a GPU are usable (``backend="auto"``), else the
+CPU backend on NumPy arrays.
 """
 
 from __future__ import annotations
@@ -37,38 +38,52 @@ def main(argv=None) -> int:
     with gpucoll.init() as comm:
         n, rank = comm.size, comm.rank
         dtype = np.dtype(args.dtype)
+        xp, sync = np, (lambda: None)
+        if comm.backend == "nccl":  # device arrays; NCCL enqueues on the current stream
+            import cupy as xp
+
+            sync = xp.cuda.get_current_stream().synchronize
         if rank == 0:
             print(f"# gpucoll {gpucoll.__version__} all_reduce, backend {comm.backend}, "
                   f"{n} ranks, dtype {dtype.name}")
             print(f"# {'size (B)':>12} {'count':>11} {'time (us)':>11} {'algbw GB/s':>11} "
                   f"{'busbw GB/s':>11} {'#wrong':>7}")
+
+        def across_ranks(value: float, op: str) -> float:
+            box = xp.asarray(np.array([value], np.float64))
+            comm.all_reduce(box, op=op)
+            return float(box[0])
+
         total_wrong = 0
         for nbytes in _sizes(max_bytes):
             count = max(nbytes // dtype.itemsize, 1)
             base = (np.arange(count) % 13).astype(dtype)
             expected = base * sum(r + 1 for r in range(n))
             iters = 50 if nbytes < (1 << 20) else 5
-            x = base * (rank + 1)
-            y = np.empty_like(x)
+            x = xp.asarray(base * (rank + 1))
+            y = xp.empty_like(x)
             comm.all_reduce(x, out=y)  # warm-up, checked; out-of-place leaves x as it was
-            wrong = int(np.count_nonzero(y != expected))
+            wrong = int(np.count_nonzero(_host(y) != expected))
             comm.barrier()
             start = time.perf_counter()
             for _ in range(iters):
                 comm.all_reduce(x, out=y)
-            elapsed = np.array([(time.perf_counter() - start) / iters])
-            comm.all_reduce(elapsed, op="max")
-            wrong_total = np.array([wrong + int(np.count_nonzero(y != expected))])
-            comm.all_reduce(wrong_total)
-            total_wrong += int(wrong_total[0])
-            seconds = float(elapsed[0])
+            sync()
+            seconds = across_ranks((time.perf_counter() - start) / iters, "max")
+            wrong_total = int(across_ranks(wrong + int(np.count_nonzero(_host(y) != expected)),
+                                           "sum"))
+            total_wrong += wrong_total
             algbw = count * dtype.itemsize / seconds / 1e9
             if rank == 0:
                 print(f"  {count * dtype.itemsize:>12} {count:>11} {seconds * 1e6:>11.1f} "
-                      f"{algbw:>11.3f} {algbw * 2 * (n - 1) / n:>11.3f} {int(wrong_total[0]):>7}")
+                      f"{algbw:>11.3f} {algbw * 2 * (n - 1) / n:>11.3f} {wrong_total:>7}")
         if rank == 0:
             print(f"# wrong results: {total_wrong}")
         return 1 if total_wrong else 0
+
+
+def _host(array) -> np.ndarray:
+    return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else array
 
 
 if __name__ == "__main__":

@@ -1,0 +1,612 @@
+"""NCCL backend: device arrays reduced and moved by NCCL through CuPy.
+
+Arrays
+    CuPy arrays, and anything exposing ``__cuda_array_interface__`` or DLPack (a torch CUDA
+    tensor, for instance) are used in place, without a copy; results allocated by gpucoll
+    (``all_gather`` without ``out=``...) come back in the caller's array type when its module
+    has ``from_dlpack``. Host arrays are refused with a ``TypeError``.
+
+Stream contract
+    Every operation is enqueued on the caller's current CuPy stream, or on ``stream=``; gpucoll
+    creates no streams of its own. A call returns once the work is enqueued: with
+    ``async_op=False`` it returns the output array, which later work on the same stream may
+    use; with ``async_op=True`` it returns a :class:`CudaWork` backed by a CUDA event, whose
+    ``wait()`` makes the *current* stream wait for the operation (the host does not block)
+    and whose ``synchronize()`` blocks the host, bounded by the timeout.
+
+Which NCCL call
+    all_reduce, broadcast, reduce, all_gather and reduce_scatter are NCCL's own collectives;
+    gather, scatter and all_to_all are grouped ``ncclSend``/``ncclRecv``; barrier is a one-element
+    all-reduce that the host waits for; split is ``ncclCommSplit``. ``ReduceOp.AVG`` is NCCL's
+    own average. NCCL reduces int8/uint8, int32/uint32, int64/uint64, float16, bfloat16, float32
+    and float64 (and complex SUM/AVG as pairs of floats); every dtype moves as bytes.
+
+Errors
+    Usage errors are raised before anything is enqueued. Every operation is followed by a
+    CUDA event that the watchdog (``gpucoll.transports.nccl.Watchdog``) follows; on a timeout
+    or an asynchronous NCCL error the communicator is aborted and the next call raises
+    ``CommTimeoutError`` or ``CommAbortedError`` naming the op, its sequence number and the
+    ranks that had not reached it. Point-to-point messages have no tags in NCCL: ``tag`` is
+    checked for range and otherwise ignored; messages between two ranks match in order.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any, Callable, List, Optional, Tuple
+
+import numpy as np
+
+from ..communicator import Communicator
+from ..doctor import decode_nccl_version
+from ..errors import CommAbortedError, CommTimeoutError, GpucollError
+from ..rendezvous.store import PrefixStore, Store
+from ..transports import nccl as nccl_transport
+from ..transports.nccl import Pending, Watchdog
+from ..transports.socket import host_id
+from ..types import ReduceOp
+from ..work import Work
+from . import signature
+
+__all__ = ["NCCLCommunicator", "CudaWork"]
+
+_DLPACK_CUDA = 2  # kDLCUDA
+_DLPACK_HOST_KINDS = {1: "host memory", 3: "pinned host memory"}
+
+
+class CudaWork(Work):
+    """``Work`` of an enqueued GPU operation, backed by a CUDA event (see module doc)."""
+
+    def __init__(self, comm: "NCCLCommunicator", op: str, seq: int, event: Any, result: Any,
+                 peer: Optional[int] = None):
+        super().__init__(op, seq, comm.rank, comm.timeout)
+        self._comm, self._event, self._result, self._peer = comm, event, result, peer
+
+    def is_completed(self) -> bool:
+        """True once the operation finished on the GPU, or the communicator failed."""
+        return self._comm._failure is not None or bool(self._event.done)
+
+    def exception(self) -> Optional[BaseException]:
+        if self._event.done:
+            return None
+        return self._comm._error() if self._comm._failure is not None else None
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Make the caller's current stream wait for the operation; the host does not block.
+
+        Raises:
+            CommTimeoutError / CommAbortedError: the communicator failed before the operation
+                completed.
+        """
+        if self._comm._failure is not None and not self._event.done:
+            raise self._comm._error()
+        cupy = self._comm._cupy
+        cupy.cuda.runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, self._event.ptr)
+        return True
+
+    def synchronize(self, timeout: Optional[float] = None) -> bool:
+        """Block the host until the operation finished on the GPU (at most ``timeout`` s)."""
+        limit = self._default_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        pause = 2e-5
+        while not self._event.done:
+            if self._comm._failure is not None:
+                raise self._comm._error()
+            if time.monotonic() > deadline:
+                raise self._comm._timed_out(self.op, self.seq, limit, self._peer)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        """``wait()``, then the output array (in the caller's array type)."""
+        self.wait(timeout)
+        return self._result if self._map is None else self._map(self._result)
+
+    def __repr__(self) -> str:
+        return f"<CudaWork {self.op} #{self.seq} rank {self.rank} " \
+               f"{'done' if self.is_completed() else 'pending'}>"
+
+
+class NCCLCommunicator(Communicator):
+    """Communicator over GPU arrays, one GPU per rank, NCCL underneath.
+
+    Attributes (besides the Communicator ones):
+        device: the CUDA device id this rank uses.
+        nccl_comm: the ``cupy.cuda.nccl.NcclCommunicator`` (for direct NCCL calls).
+        nccl_version: NCCL's runtime version, e.g. ``"2.32.3"``.
+    """
+
+    backend = "nccl"
+    _converts_arrays = True
+
+    def __init__(self, store: Store, rank: int, size: int, *, comm_id: str, token: str = "",
+                 timeout: float = 300.0, debug: bool = False, owns_store: bool = True,
+                 device: Optional[int] = None, watchdog_interval: float = 0.05,
+                 _nccl_comm: Any = None, _local: Optional[Tuple[int, int]] = None, **_unused):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank={rank} is out of range for world_size={size}")
+        self._cupy, self._nccl = nccl_transport.load()
+        cupy = self._cupy
+        self.rank, self.size, self.timeout = rank, size, float(timeout)
+        self.comm_id = comm_id
+        self._root_store, self._owns_store = store, owns_store
+        self._store = PrefixStore(comm_id, store)
+        self._token, self._debug = token, debug
+        self._watchdog_interval = watchdog_interval
+        self._failure: Optional[Tuple[type, str]] = None
+        self._closed = False
+        self._seq = 0
+        self._p2p_seq = 0
+        self._splits = 0
+        self._lock = threading.Lock()
+        if _local is None:
+            _local = self._local_rank()
+        self.local_rank, self.local_size = _local
+        count = cupy.cuda.runtime.getDeviceCount()
+        if device is None:
+            device = self.local_rank % count
+        if not 0 <= device < count:
+            raise ValueError(f"rank {rank}: GPU {device} does not exist ({count} visible; "
+                             f"GPUCOLL_DEVICE / CUDA_VISIBLE_DEVICES)")
+        self.device = int(device)
+        self._device = cupy.cuda.Device(self.device)
+        self._device.use()
+        self.nccl_comm = _nccl_comm if _nccl_comm is not None else \
+            nccl_transport.create_communicator(self._store, rank, size, self.device, self.timeout)
+        self.nccl_version = decode_nccl_version(self._nccl.get_version())
+        self._events: List[Any] = []
+        self._barrier_buffer = cupy.zeros(1, dtype=np.int32)
+        self._bytes_type = self._nccl.NCCL_UINT8
+        self._watchdog = Watchdog(
+            rank, check_error=self._check_async_error, on_failure=self._on_watchdog,
+            publish=self._publish_progress, interval=watchdog_interval, setup=self._device.use,
+            name=f"gpucoll-watchdog-{comm_id}")
+
+    def _local_rank(self) -> Tuple[int, int]:
+        """(local rank, local size) from the host ids every rank publishes in the store."""
+        mine = host_id()
+        if self.size == 1:
+            return 0, 1
+        self._store.set(f"host/{self.rank}", mine.encode())
+        ids = [self._store.get(f"host/{r}", self.timeout).decode() for r in range(self.size)]
+        return (sum(1 for r in range(self.rank) if ids[r] == mine),
+                sum(1 for h in ids if h == mine))
+
+    # ------------------------------------------------------------------ arrays
+    def _import_array(self, x: Any, name: str) -> Any:
+        cupy = self._cupy
+        if isinstance(x, cupy.ndarray):
+            return self._on_device(x, name)
+        if isinstance(x, np.ndarray):
+            raise TypeError(f"{name} is a NumPy array (host memory); backend 'nccl' needs GPU "
+                            f"arrays: pass cupy.asarray({name}), or use backend='cpu'")
+        try:
+            has_cai = hasattr(x, "__cuda_array_interface__")
+        except Exception as exc:  # e.g. a torch tensor that requires grad
+            raise TypeError(f"{name} cannot be shared with NCCL: {exc}") from None
+        if has_cai:
+            return self._on_device(cupy.asarray(x), name)
+        if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+            kind, _ = x.__dlpack_device__()
+            if int(kind) != _DLPACK_CUDA:
+                where = _DLPACK_HOST_KINDS.get(int(kind), f"DLPack device type {int(kind)}")
+                raise TypeError(f"{name} lives in {where}; backend 'nccl' needs GPU arrays")
+            try:
+                return self._on_device(cupy.from_dlpack(x), name)
+            except Exception as exc:
+                raise TypeError(f"{name} ({type(x).__name__}) cannot be imported through DLPack "
+                                f"without a copy: {exc}") from None
+        return x  # not an array: the base class raises TypeError
+
+    def _on_device(self, x: Any, name: str) -> Any:
+        if x.device.id != self.device:
+            raise ValueError(f"{name} is on GPU {x.device.id}, but rank {self.rank}'s "
+                             f"communicator uses GPU {self.device}")
+        return x
+
+    def _export(self, result: Any, like: Any) -> Any:
+        if like is None or isinstance(like, self._cupy.ndarray):
+            return result
+        module = sys.modules.get(type(like).__module__.split(".")[0])
+        from_dlpack = getattr(module, "from_dlpack", None)
+        return from_dlpack(result) if from_dlpack is not None else result
+
+    def _stream_ptr(self, stream: Any) -> int:
+        if stream is None:
+            return self._cupy.cuda.get_current_stream().ptr
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            return stream
+        for attr in ("ptr", "cuda_stream"):
+            value = getattr(stream, attr, None)
+            if isinstance(value, int):
+                return value
+        protocol = getattr(stream, "__cuda_stream__", None)
+        if protocol is not None:
+            return int(protocol()[1])
+        raise TypeError(f"stream must be a CuPy stream, an object with cuda_stream or "
+                        f"__cuda_stream__, or a stream pointer; got {type(stream).__name__}")
+
+    def _reduction(self, x: Any, op: ReduceOp) -> Tuple[int, int, int]:
+        """(NCCL dtype, element count, NCCL op) for reducing ``x`` with ``op``."""
+        nccl = self._nccl
+        reduce_op = nccl_transport.nccl_op(nccl, op)
+        name = x.dtype.name
+        if name in nccl_transport.REDUCIBLE:
+            return nccl_transport.nccl_dtype(nccl, name), x.size, reduce_op
+        if x.dtype.kind == "c" and op in (ReduceOp.SUM, ReduceOp.AVG):
+            real = "float32" if x.dtype.itemsize == 8 else "float64"
+            return nccl_transport.nccl_dtype(nccl, real), 2 * x.size, reduce_op
+        raise TypeError(f"NCCL cannot reduce dtype {name} with op {op.value} (it reduces "
+                        f"{', '.join(sorted(nccl_transport.REDUCIBLE))}); cast the array or "
+                        f"use the cpu backend")
+
+    # ------------------------------------------------------------------ failure handling
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise self._error()
+        if self._closed:
+            raise CommAbortedError(f"rank {self.rank}: communicator is closed")
+
+    def _error(self) -> GpucollError:
+        kind, message = self._failure
+        if kind is CommTimeoutError:
+            return CommTimeoutError(message, rank=self.rank)
+        return CommAbortedError(message)
+
+    def _fail(self, kind: str, message: str, pending: Optional[Pending]) -> None:
+        """Record the failure, tell the store, abort NCCL (stuck kernels exit). Idempotent."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            error_type = CommTimeoutError if kind == "timeout" else CommAbortedError
+            self._failure = (error_type, message)
+        try:
+            self._store.set(f"abort/{self.rank}", message.encode())
+        except Exception:
+            pass
+        try:
+            self.nccl_comm.abort()
+        except Exception:
+            pass
+
+    def _on_watchdog(self, kind: str, message: str, pending: Optional[Pending]) -> None:
+        if kind == "timeout" and pending is not None:
+            message = self._timeout_message(pending)
+        elif pending is not None:
+            message = f"rank {self.rank}: {pending.op} #{pending.seq}: {message}"
+        else:
+            message = f"rank {self.rank}: {message}"
+        message += "; the communicator was aborted, create a new one"
+        self._fail(kind, message, pending)
+
+    def _timed_out(self, op: str, seq: int, limit: float,
+                   peer: Optional[int] = None) -> CommTimeoutError:
+        """Fail the communicator after a host-side wait on ``op`` #``seq`` ran out; the error."""
+        pending = Pending(op, seq, 0.0, lambda: False, peer, peer is None)
+        message = self._timeout_message(pending, limit)
+        self._fail("timeout", message + "; the communicator was aborted, create a new one", pending)
+        return CommTimeoutError(self._failure[1], rank=self.rank, peer=peer, op=op, seq=seq)
+
+    def _timeout_message(self, pending: Pending, limit: Optional[float] = None) -> str:
+        text = (f"rank {self.rank}: {pending.op} #{pending.seq} did not complete on GPU "
+                f"{self.device} within {self.timeout if limit is None else limit:g} s")
+        if pending.peer is not None:
+            return text + f" (peer rank {pending.peer})"
+        if not pending.collective:
+            return text
+        late = self._ranks_behind(pending.seq)
+        if late is None:
+            return text + " (the store could not say which ranks arrived)"
+        if late:
+            return text + (f"; ranks that had not reached it: {', '.join(map(str, late))} "
+                           f"(of {self.size})")
+        return text + "; every rank had issued it, so NCCL itself stalled (NCCL_DEBUG=INFO)"
+
+    def _ranks_behind(self, seq: int) -> Optional[List[int]]:
+        time.sleep(min(2 * self._watchdog_interval, 1.0))  # let peers publish their progress
+        return nccl_transport.ranks_behind(self._store, self.size, self.rank, seq)
+
+    def _publish_progress(self, issued: int) -> None:
+        nccl_transport.publish_progress(self._store, self.rank, issued)
+
+    def _check_async_error(self) -> None:
+        if self._failure is None and not self._closed:
+            self.nccl_comm.check_async_error()
+
+    # ------------------------------------------------------------------ enqueueing
+    def _event(self) -> Any:
+        if self._events:
+            return self._events.pop()
+        return self._cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+
+    def _enqueue(self, name: str, launch: Callable[[int], None], stream: Any, async_op: bool,
+                 result: Any, *, seq: Optional[int] = None, peer: Optional[int] = None,
+                 check: Optional[tuple] = None) -> Any:
+        """Run the debug check, ``launch(stream_ptr)``, record an event, hand it to the watchdog.
+
+        ``seq`` is None for point-to-point operations (they have their own counter).
+        """
+        self._check_alive()
+        ptr = self._stream_ptr(stream)
+        collective = seq is not None
+        if not collective:
+            self._p2p_seq += 1
+        number = seq if collective else self._p2p_seq
+        if check is not None and self._debug and self.size > 1:
+            self._debug_check(name, seq, *check)
+        try:
+            launch(ptr)
+        except GpucollError:
+            raise
+        except Exception as exc:  # NcclError raised while enqueueing
+            message = f"rank {self.rank}: {name} #{number}: NCCL refused the call: {exc}"
+            self._fail("error", message, None)
+            raise CommAbortedError(message) from exc
+        event = self._event()
+        self._cupy.cuda.runtime.eventRecord(event.ptr, ptr)
+        if async_op:
+            release = _noop  # the Work keeps the event; it is not reused
+        else:
+            release = lambda: self._events.append(event)  # noqa: E731
+        self._watchdog.track(Pending(name, number, time.monotonic() + self.timeout,
+                                     lambda: event.done, peer, collective, release))
+        if async_op:
+            return CudaWork(self, name, number, event, result, peer)
+        return result
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _debug_check(self, name: str, seq: int, dtype, shape, op: Optional[ReduceOp] = None,
+                     root: int = -1) -> None:
+        """GPUCOLL_DEBUG: compare signatures through the store before enqueueing."""
+        mine = signature.pack(name, seq, dtype, shape, op, root)
+        self._store.set(f"debug/{seq}/{self.rank}", mine)
+        keys = [f"debug/{seq}/{r}" for r in range(self.size)]
+        try:
+            self._store.wait(keys, self.timeout)
+        except CommTimeoutError:
+            missing = [r for r, key in enumerate(keys) if key in self._store.missing(keys)]
+            message = (f"rank {self.rank}: GPUCOLL_DEBUG check of {name} #{seq}: ranks "
+                       f"{', '.join(map(str, missing))} did not reach it within {self.timeout:g} s")
+            self._fail("timeout", message, None)
+            raise CommTimeoutError(message, rank=self.rank, op=name, seq=seq) from None
+        signatures = {r: self._store.get(keys[r], self.timeout) for r in range(self.size)}
+        if seq > 2:  # every rank has read the signatures of seq - 2
+            self._store.delete(f"debug/{seq - 2}/{self.rank}")
+        error = signature.mismatch_error(signatures, self.rank, name, seq)
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ collectives
+    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        dtype, count, reduce_op = self._reduction(x, op)
+        target = x if out is None else out
+        comm, src, dst = self.nccl_comm, x.data.ptr, target.data.ptr
+        seq = self._next_seq()
+        return self._enqueue(
+            "all_reduce", lambda s: comm.allReduce(src, dst, count, dtype, reduce_op, s),
+            stream, async_op, target, seq=seq, check=(x.dtype, x.shape, op))
+
+    def _broadcast(self, x, root: int, async_op: bool, stream=None):
+        comm, ptr, nbytes, kind = self.nccl_comm, x.data.ptr, x.nbytes, self._bytes_type
+        seq = self._next_seq()
+        return self._enqueue(
+            "broadcast", lambda s: comm.broadcast(ptr, ptr, nbytes, kind, root, s),
+            stream, async_op, x, seq=seq, check=(x.dtype, x.shape, None, root))
+
+    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None):
+        dtype, count, reduce_op = self._reduction(x, op)
+        target = (x if out is None else out) if self.rank == root else None
+        comm, src = self.nccl_comm, x.data.ptr
+        dst = target.data.ptr if target is not None else src
+        seq = self._next_seq()
+        return self._enqueue(
+            "reduce", lambda s: comm.reduce(src, dst, count, dtype, reduce_op, root, s),
+            stream, async_op, target, seq=seq, check=(x.dtype, x.shape, op, root))
+
+    def _all_gather(self, x, out, async_op: bool, stream=None):
+        if out is None:
+            out = self._cupy.empty((self.size,) + tuple(x.shape), dtype=x.dtype)
+        comm, src, dst, nbytes = self.nccl_comm, x.data.ptr, out.data.ptr, x.nbytes
+        kind = self._bytes_type
+        seq = self._next_seq()
+        return self._enqueue(
+            "all_gather", lambda s: comm.allGather(src, dst, nbytes, kind, s),
+            stream, async_op, out, seq=seq, check=(x.dtype, x.shape))
+
+    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        dtype, count, reduce_op = self._reduction(x, op)
+        if out is None:
+            out = self._cupy.empty(tuple(x.shape[1:]), dtype=x.dtype)
+        comm, src, dst, per_rank = self.nccl_comm, x.data.ptr, out.data.ptr, count // self.size
+        seq = self._next_seq()
+        return self._enqueue(
+            "reduce_scatter", lambda s: comm.reduceScatter(src, dst, per_rank, dtype, reduce_op, s),
+            stream, async_op, out, seq=seq, check=(x.dtype, x.shape, op))
+
+    def _grouped(self, sends: List[Tuple[int, int, int]], recvs: List[Tuple[int, int, int]],
+                 copies: List[Tuple[int, int, int]]) -> Callable[[int], None]:
+        """A launch of grouped sends/recvs ((ptr, nbytes, peer)) plus local device copies."""
+        comm, nccl, kind = self.nccl_comm, self._nccl, self._bytes_type
+        runtime = self._cupy.cuda.runtime
+
+        def launch(s: int) -> None:
+            for dst, src, nbytes in copies:
+                if nbytes:
+                    runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDeviceToDevice, s)
+            if not sends and not recvs:
+                return
+            nccl.groupStart()
+            try:
+                for ptr, nbytes, peer in sends:
+                    comm.send(ptr, nbytes, kind, peer, s)
+                for ptr, nbytes, peer in recvs:
+                    comm.recv(ptr, nbytes, kind, peer, s)
+            finally:
+                nccl.groupEnd()
+
+        return launch
+
+    def _gather(self, x, root: int, out, stream=None):
+        if self.rank == root:
+            if out is None:
+                out = self._cupy.empty((self.size,) + tuple(x.shape), dtype=x.dtype)
+            block, base = x.nbytes, out.data.ptr
+            recvs = [(base + r * block, block, r) for r in range(self.size) if r != root]
+            launch = self._grouped([], recvs, [(base + root * block, x.data.ptr, block)])
+        else:
+            out = None
+            launch = self._grouped([(x.data.ptr, x.nbytes, root)], [], [])
+        seq = self._next_seq()
+        return self._enqueue("gather", launch, stream, False, out, seq=seq,
+                             check=(x.dtype, x.shape, None, root))
+
+    def _scatter(self, x, root: int, out, template, stream=None):
+        if out is None:
+            chunk, dtype = template
+            out = self._cupy.empty(chunk, dtype=dtype)
+        block = out.nbytes
+        if self.rank == root:
+            base = x.data.ptr
+            sends = [(base + r * block, block, r) for r in range(self.size) if r != root]
+            launch = self._grouped(sends, [], [(out.data.ptr, base + root * block, block)])
+        else:
+            launch = self._grouped([], [(out.data.ptr, block, root)], [])
+        seq = self._next_seq()
+        return self._enqueue("scatter", launch, stream, False, out, seq=seq,
+                             check=(out.dtype, out.shape, None, root))
+
+    def _all_to_all(self, x, out, stream=None):
+        if out is None:
+            out = self._cupy.empty(tuple(x.shape), dtype=x.dtype)
+        block = x.nbytes // self.size if self.size else 0
+        src, dst = x.data.ptr, out.data.ptr
+        peers = [r for r in range(self.size) if r != self.rank]
+        launch = self._grouped([(src + r * block, block, r) for r in peers],
+                               [(dst + r * block, block, r) for r in peers],
+                               [(dst + self.rank * block, src + self.rank * block, block)])
+        seq = self._next_seq()
+        return self._enqueue("all_to_all", launch, stream, False, out, seq=seq,
+                             check=(x.dtype, x.shape))
+
+    # ------------------------------------------------------------------ point to point
+    def _send(self, x, dst: int, tag: int, async_op: bool, stream=None):
+        comm, ptr, nbytes, kind = self.nccl_comm, x.data.ptr, x.nbytes, self._bytes_type
+        return self._enqueue("send", lambda s: comm.send(ptr, nbytes, kind, dst, s),
+                             stream, async_op, None, peer=dst)
+
+    def _recv(self, out, src: int, tag: int, async_op: bool, stream=None):
+        comm, ptr, nbytes, kind = self.nccl_comm, out.data.ptr, out.nbytes, self._bytes_type
+        return self._enqueue("recv", lambda s: comm.recv(ptr, nbytes, kind, src, s),
+                             stream, async_op, out, peer=src)
+
+    # ------------------------------------------------------------------ groups and lifetime
+    def _barrier(self, timeout: float) -> None:
+        """A one-element all-reduce on the current stream that the host waits for."""
+        comm, ptr = self.nccl_comm, self._barrier_buffer.data.ptr
+        kind, total = self._nccl.NCCL_INT32, self._nccl.NCCL_SUM
+        seq = self._next_seq()
+        work = self._enqueue("barrier", lambda s: comm.allReduce(ptr, ptr, 1, kind, total, s),
+                             None, True, None, seq=seq, check=(np.int32, (1,)))
+        work.synchronize(timeout)
+
+    def _split(self, color: Optional[int], key: int) -> Optional["NCCLCommunicator"]:
+        """``ncclCommSplit``, after a store round that checks every rank arrived (so the
+        blocking NCCL call cannot wait forever) and computes the new ranks and local ranks."""
+        self._check_alive()
+        seq = self._next_seq()
+        self._splits += 1
+        number = self._splits
+        mine = f"{-1 if color is None else color},{key},{host_id()}"
+        self._store.set(f"split/{number}/{self.rank}", mine.encode())
+        keys = [f"split/{number}/{r}" for r in range(self.size)]
+        try:
+            self._store.wait(keys, self.timeout)
+        except CommTimeoutError:
+            missing = self._store.missing(keys)
+            late = [r for r, k in enumerate(keys) if k in missing]
+            raise CommTimeoutError(
+                f"rank {self.rank}: split #{seq}: ranks {', '.join(map(str, late))} did not "
+                f"call split within {self.timeout:g} s", rank=self.rank, op="split",
+                seq=seq) from None
+        table = []
+        for r in range(self.size):
+            c, k, host = self._store.get(keys[r], self.timeout).decode().split(",", 2)
+            table.append((int(c), int(k), r, host))
+        self._drain(self.timeout)
+        new_comm = self.nccl_comm.commSplit(-1 if color is None else color, key)
+        if color is None:
+            return None
+        members = sorted((k, r, host) for c, k, r, host in table if c == color)
+        ranks = [r for _, r, _ in members]
+        new_rank = ranks.index(self.rank)
+        hosts = [host for _, _, host in members]
+        local = (sum(1 for h in hosts[:new_rank] if h == hosts[new_rank]),
+                 sum(1 for h in hosts if h == hosts[new_rank]))
+        return NCCLCommunicator(
+            self._root_store, new_rank, len(ranks),
+            comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
+            timeout=self.timeout, debug=self._debug, owns_store=False, device=self.device,
+            watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local)
+
+    def _drain(self, timeout: float) -> None:
+        """Wait (host) until every tracked operation has completed, bounded by ``timeout``."""
+        deadline = time.monotonic() + timeout
+        for pending in self._watchdog.outstanding():
+            while not pending.done():
+                if self._failure is not None:
+                    raise self._error()
+                if time.monotonic() > deadline:
+                    raise self._timed_out(pending.op, pending.seq, timeout, pending.peer)
+                time.sleep(1e-4)
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        """Block the host until every operation enqueued so far has completed on the GPU."""
+        self._check_alive()
+        self._drain(self.timeout if timeout is None else timeout)
+
+    def abort(self) -> None:
+        """Abort at once: NCCL kernels in flight exit, later calls raise ``CommAbortedError``."""
+        self._fail("abort", f"abort() called on rank {self.rank}", None)
+        self._watchdog.stop()
+        self._release_store()
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Wait for outstanding work (bounded), then destroy the NCCL communicator.
+
+        Idempotent; after an abort or a failure it only releases resources.
+        """
+        if self._closed:
+            return
+        try:
+            if self._failure is None:
+                self._drain(self.timeout if timeout is None else timeout)
+        finally:
+            self._closed = True
+            self._watchdog.stop()
+            if self._failure is None:
+                try:
+                    self.nccl_comm.destroy()
+                except Exception:
+                    pass
+            self._release_store()
+
+    def _release_store(self) -> None:
+        if self._owns_store:
+            try:
+                self._root_store.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return (f"<NCCLCommunicator rank={self.rank} size={self.size} device={self.device} "
+                f"nccl={self.nccl_version}>")
+
+
+def _noop() -> None:
+    return None

@@ -1,0 +1,381 @@
+"""The NCCL backend on a real GPU with real NCCL (skipped with a reason without one).
+
+One GPU: every collective on a 1-rank communicator for every dtype and op, usage errors before
+anything is enqueued, the watchdog on a deliberately stalled stream, DLPack and torch tensors,
+asynchronous Work and streams. Two ranks on one GPU when NCCL >= 2.30 allows it
+(NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS capped), in real processes under a hard timeout.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+import gpucoll
+from gpucoll.errors import CommAbortedError, CommTimeoutError
+from mp_harness import run_ranks
+from reference import make_input, reduce_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+REDUCIBLE = ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
+             "float64", "bfloat16"]
+MOVABLE = REDUCIBLE + ["int16", "uint16", "complex64", "complex128", "bool"]
+OPS = ["sum", "prod", "min", "max", "avg"]
+
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _device_array(host):
+    import cupy
+
+    try:
+        return cupy.asarray(host)
+    except (TypeError, ValueError) as exc:
+        pytest.skip(f"CuPy {cupy.__version__} cannot hold {host.dtype} arrays: {exc}")
+
+
+def _host_input(rank, shape, name, op="sum"):
+    if name == "bfloat16":
+        return make_input(7, rank, shape, "float32", op).astype(_dtype(name))
+    return make_input(7, rank, shape, name, op)
+
+
+def _spin(stream, seconds):
+    """Occupy ``stream`` for about ``seconds`` with a one-thread busy loop."""
+    import cupy
+
+    kernel = cupy.RawKernel(SPIN_SOURCE, "spin")
+    rate = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)
+    with stream:
+        kernel((1,), (1,), (np.int64(seconds * rate * 1000),))
+
+
+@pytest.fixture(scope="module")
+def comm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nccl") / "store"
+    c = gpucoll.init(backend="nccl", rank=0, world_size=1, url=f"file://{path}", timeout=60)
+    yield c
+    c.close()
+
+
+def test_init_picks_nccl(comm):
+    from gpucoll import api
+
+    assert comm.backend == "nccl" and comm.size == 1 and comm.rank == 0
+    assert api.resolve_backend("auto") == "nccl"
+    assert comm.nccl_version.count(".") == 2 and comm.device == 0
+
+
+@pytest.mark.parametrize("name", REDUCIBLE)
+@pytest.mark.parametrize("op", OPS)
+def test_reductions_one_rank(comm, name, op):
+    import cupy
+
+    host = _host_input(0, (5, 13), name, op)
+    expected = reduce_reference(host[None], op)
+    x = _device_array(host)
+    out = cupy.zeros_like(x)
+    assert comm.all_reduce(x, op, out=out) is out
+    np.testing.assert_array_equal(cupy.asnumpy(out), expected)
+    y = x.copy()
+    assert comm.all_reduce(y, op) is y
+    np.testing.assert_array_equal(cupy.asnumpy(y), expected)
+    r = cupy.zeros_like(x)
+    assert comm.reduce(x, root=0, op=op, out=r) is r
+    np.testing.assert_array_equal(cupy.asnumpy(r), expected)
+    rs = comm.reduce_scatter(x.reshape(1, 5, 13), op)
+    assert rs.shape == (5, 13)
+    np.testing.assert_array_equal(cupy.asnumpy(rs), expected)
+    cupy.cuda.get_current_stream().synchronize()
+
+
+@pytest.mark.parametrize("name", MOVABLE)
+def test_data_movement_one_rank(comm, name):
+    import cupy
+
+    host = _host_input(0, (3, 7), name)
+    x = _device_array(host)
+    b = x.copy()
+    assert comm.broadcast(b, root=0) is b
+    gathered = comm.all_gather(x)
+    assert gathered.shape == (1, 3, 7) and gathered.dtype == x.dtype
+    out = cupy.zeros((1, 3, 7), dtype=x.dtype)
+    assert comm.all_gather(x, out=out) is out
+    g = comm.gather(x, root=0)
+    s = comm.scatter(x.reshape(1, 3, 7), root=0)
+    a = comm.all_to_all(x.reshape(1, 3, 7))
+    for got in (b, gathered[0], out[0], g[0], s, a[0]):
+        np.testing.assert_array_equal(cupy.asnumpy(got), host)
+
+
+def test_barrier_split_and_groups(comm):
+    import cupy
+
+    comm.barrier(timeout=10)
+    sub = comm.split(0)
+    try:
+        assert sub.size == 1 and sub.backend == "nccl" and sub.device == comm.device
+        x = cupy.arange(4, dtype=cupy.float32)
+        sub.all_reduce(x)
+        np.testing.assert_array_equal(cupy.asnumpy(x), np.arange(4))
+    finally:
+        sub.close()
+    assert comm.split(None) is None
+
+
+def test_usage_errors_enqueue_nothing(comm):
+    import cupy
+
+    before = comm._seq
+    with pytest.raises(TypeError, match="NumPy array .*host memory"):
+        comm.all_reduce(np.ones(3))
+    with pytest.raises(ValueError, match=r"out has shape \(4,\), expected \(3,\)"):
+        comm.all_reduce(cupy.ones(3), out=cupy.ones(4))
+    with pytest.raises(TypeError, match="op band is not supported by NCCL"):
+        comm.all_reduce(cupy.ones(3, cupy.int32), "band")
+    with pytest.raises(TypeError, match="NCCL cannot reduce dtype int16"):
+        comm.all_reduce(cupy.ones(3, cupy.int16))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        comm.all_reduce(cupy.ones((4, 4))[:, ::2])
+    with pytest.raises(ValueError, match="root=1 is out of range"):
+        comm.broadcast(cupy.ones(3), root=1)
+    with pytest.raises(ValueError, match=r"x must have shape \(size=1, \.\.\.\)"):
+        comm.reduce_scatter(cupy.ones((2, 3)))
+    with pytest.raises(TypeError, match="stream must be"):
+        comm.all_reduce(cupy.ones(3), stream="default")
+    assert comm._seq == before
+    x = cupy.ones(3)
+    comm.all_reduce(x)  # still usable
+    np.testing.assert_array_equal(cupy.asnumpy(x), np.ones(3))
+
+
+def test_async_work_and_streams(comm):
+    import cupy
+
+    producer = cupy.cuda.Stream(non_blocking=True)
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    with producer:
+        x = cupy.arange(1 << 20, dtype=cupy.float32)
+    _spin(producer, 0.5)
+    started = time.monotonic()
+    work = comm.all_reduce(x, "max", async_op=True, stream=producer)
+    assert isinstance(work, gpucoll.Work)
+    assert not work.is_completed()  # queued behind the spin
+    with consumer:
+        work.wait()  # the consumer stream waits; the host does not
+        after = cupy.cuda.Event()
+        after.record(consumer)
+    assert time.monotonic() - started < 0.25
+    assert not after.done  # the consumer really waits for the producer's operation
+    assert work.synchronize() and work.is_completed() and work.exception() is None
+    consumer.synchronize()
+    assert after.done
+    np.testing.assert_array_equal(cupy.asnumpy(work.result()), np.arange(1 << 20))
+
+    with producer:  # no stream=: the current stream is used
+        y = cupy.full(8, 3.0)
+        w2 = comm.all_reduce(y, async_op=True)
+        producer.synchronize()
+    assert w2.is_completed()
+    comm.synchronize(timeout=10)
+
+
+def test_dlpack_objects_are_used_without_copy(comm):
+    import cupy
+
+    class OnlyDLPack:
+        def __init__(self, array):
+            self._array = array
+
+        def __dlpack__(self, stream=None, **kw):
+            return self._array.__dlpack__(stream=stream, **kw)
+
+        def __dlpack_device__(self):
+            return self._array.__dlpack_device__()
+
+    base = cupy.arange(6, dtype=cupy.float32)
+    wrapped = OnlyDLPack(base)
+    assert comm._import_array(wrapped, "x").data.ptr == base.data.ptr
+    assert comm.all_reduce(wrapped, "max") is wrapped
+    assert comm.broadcast(wrapped) is wrapped
+    np.testing.assert_array_equal(cupy.asnumpy(base), np.arange(6))
+
+
+def test_torch_cuda_tensors():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        comm = gpucoll.init(backend="nccl", rank=0, world_size=1, url=f"file://{tmp}/s",
+                            timeout=60)
+        try:
+            t = torch.arange(10, dtype=torch.float32, device="cuda")
+            assert comm._import_array(t, "x").data.ptr == t.data_ptr()  # no copy
+            stream = torch.cuda.current_stream()
+            assert comm.all_reduce(t, stream=stream) is t
+            out = torch.zeros(10, device="cuda")
+            assert comm.all_reduce(t, "max", out=out, stream=stream) is out
+            gathered = comm.all_gather(t, stream=stream)
+            assert isinstance(gathered, torch.Tensor) and gathered.shape == (1, 10)
+            bf = torch.arange(8, device="cuda").to(torch.bfloat16)
+            assert comm.all_reduce(bf, "avg", stream=stream) is bf
+            torch.cuda.synchronize()
+            assert out.cpu().tolist() == list(range(10))
+            assert gathered.cpu().tolist() == [list(range(10))]
+            assert bf.float().cpu().tolist() == list(range(8))
+            with pytest.raises(TypeError, match="host memory"):
+                comm.all_reduce(torch.ones(3))
+        finally:
+            comm.close()
+
+
+def test_watchdog_aborts_a_stalled_operation(tmp_path):
+    import cupy
+
+    comm = gpucoll.init(backend="nccl", rank=0, world_size=1, url=f"file://{tmp_path}/s",
+                        timeout=1.0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.ones(16, dtype=cupy.float32)
+    stream.synchronize()
+    _spin(stream, 4.0)  # the all_reduce below cannot complete for 4 s
+    comm.all_reduce(x, stream=stream)
+    time.sleep(2.5)  # the 1 s deadline passes; the watchdog aborts the communicator
+    with pytest.raises(CommTimeoutError, match=r"all_reduce #1 did not complete on GPU 0 within 1 s"):
+        comm.all_reduce(x)
+    with pytest.raises(CommTimeoutError):
+        comm.barrier()
+    stream.synchronize()  # the spin ends; nothing hangs
+    comm.close()
+    with pytest.raises(CommAbortedError):
+        comm.all_reduce(x)
+
+
+# ---------------------------------------------------------------- two ranks on one GPU
+def _nccl_version():
+    try:
+        from cupy.cuda import nccl
+
+        return nccl.get_version()
+    except Exception:
+        return 0
+
+
+MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "2",
+                  "GPUCOLL_DEVICE": "0", "GPUCOLL_TIMEOUT": "60"}
+two_ranks = pytest.mark.skipif(
+    _nccl_version() < 23000,
+    reason=f"two ranks on one GPU need NCCL >= 2.30 (found code {_nccl_version()})")
+
+
+def _rank_collectives(rank, size, url):
+    import cupy
+
+    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=60)
+    try:
+        results = {}
+        for op in OPS:
+            x = cupy.asarray(make_input(3, rank, (1000,), "float32", op))
+            comm.all_reduce(x, op)
+            results[f"all_reduce/{op}"] = cupy.asnumpy(x)
+        b = cupy.arange(10, dtype=cupy.int64) if rank == 1 else cupy.zeros(10, cupy.int64)
+        comm.broadcast(b, root=1)
+        results["broadcast"] = cupy.asnumpy(b)
+        results["all_gather"] = cupy.asnumpy(comm.all_gather(cupy.full(3, rank, cupy.int32)))
+        results["reduce_scatter"] = cupy.asnumpy(
+            comm.reduce_scatter(cupy.asarray(make_input(4, rank, (size, 6), "int32"))))
+        red = comm.reduce(cupy.full(4, rank + 1.0), root=0)
+        results["reduce"] = None if red is None else cupy.asnumpy(red)
+        g = comm.gather(cupy.full(2, rank, cupy.int16), root=1)
+        results["gather"] = None if g is None else cupy.asnumpy(g)
+        src = cupy.arange(size * 3, dtype=cupy.float64).reshape(size, 3) if rank == 0 else None
+        results["scatter"] = cupy.asnumpy(comm.scatter(src, root=0, out=cupy.zeros(3)))
+        a2a = cupy.asarray(np.arange(size * 2).reshape(size, 2) + 10 * rank)
+        results["all_to_all"] = cupy.asnumpy(comm.all_to_all(a2a))
+        if rank == 0:
+            comm.send(cupy.arange(5.0), 1)
+            back = cupy.zeros(5)
+            comm.irecv(back, 1).synchronize()
+            results["p2p"] = cupy.asnumpy(back)
+        else:
+            got = cupy.zeros(5)
+            comm.recv(got, 0)
+            comm.isend(got * 2, 0).synchronize()
+            results["p2p"] = cupy.asnumpy(got)
+        sub = comm.split(0 if rank == 1 else None)
+        if sub is not None:
+            results["split"] = (sub.rank, sub.size)
+            sub.close()
+        comm.barrier(timeout=30)
+        cupy.cuda.get_current_stream().synchronize()
+        return results
+    finally:
+        comm.close(timeout=30)
+
+
+@two_ranks
+def test_two_ranks_on_one_gpu():
+    results = run_ranks(_rank_collectives, 2, init=False, env=MULTI_RANK_ENV, timeout=240)
+    for op in OPS:
+        expected = reduce_reference(
+            np.stack([make_input(3, r, (1000,), "float32", op) for r in range(2)]), op)
+        for r in range(2):
+            np.testing.assert_allclose(results[r][f"all_reduce/{op}"], expected, rtol=1e-6)
+    rs = reduce_reference(np.stack([make_input(4, r, (2, 6), "int32") for r in range(2)]), "sum")
+    for r in range(2):
+        np.testing.assert_array_equal(results[r]["broadcast"], np.arange(10))
+        np.testing.assert_array_equal(results[r]["all_gather"], [[0] * 3, [1] * 3])
+        np.testing.assert_array_equal(results[r]["reduce_scatter"], rs[r])
+        np.testing.assert_array_equal(results[r]["scatter"], np.arange(6.0).reshape(2, 3)[r])
+        np.testing.assert_array_equal(results[r]["all_to_all"],
+                                      [[2 * r + 10 * s, 2 * r + 1 + 10 * s] for s in range(2)])
+    np.testing.assert_array_equal(results[0]["reduce"], np.full(4, 3.0))
+    assert results[1]["reduce"] is None and results[0]["gather"] is None
+    np.testing.assert_array_equal(results[1]["gather"], [[0, 0], [1, 1]])
+    np.testing.assert_array_equal(results[1]["p2p"], np.arange(5.0))
+    np.testing.assert_array_equal(results[0]["p2p"], np.arange(5.0) * 2)
+    assert results[1]["split"] == (0, 1) and "split" not in results[0]
+
+
+def _rank_stalls(rank, size, url):
+    import cupy
+
+    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=3.0)
+    x = cupy.ones(1024, dtype=cupy.float32)
+    comm.all_reduce(x)  # #1: both ranks
+    cupy.cuda.get_current_stream().synchronize()
+    if rank == 1:
+        time.sleep(8)  # never calls #2; rank 0's watchdog must give up
+        comm.abort()
+        return "skipped"
+    comm.all_reduce(x)  # #2: rank 1 never arrives
+    time.sleep(5)
+    try:
+        comm.all_reduce(x)
+    except CommTimeoutError as exc:
+        return str(exc)
+    finally:
+        cupy.cuda.get_current_stream().synchronize()  # the abort let the kernel exit
+    return "no error"
+
+
+@two_ranks
+def test_two_ranks_watchdog_names_the_missing_rank():
+    results = run_ranks(_rank_stalls, 2, init=False, env=MULTI_RANK_ENV, timeout=120)
+    assert "all_reduce #2 did not complete" in results[0], results[0]
+    assert "ranks that had not reached it: 1 (of 2)" in results[0], results[0]
+
