@@ -118,10 +118,10 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
     return x[train], y[train], x[test], y[test]
 
 
-def _init():
+def _init(force_cpu: bool):
     """The launcher's communicator, or a one-rank one when started without a launcher."""
     try:
-        return gpucoll.init()
+        return gpucoll.init(backend="cpu" if force_cpu else None)
     except ValueError:  # no rank / world size in the environment: a single process
         import tempfile
 
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
 
     xp = _array_module(args.cpu)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
-    with _init() as comm:
+    with _init(xp is np) as comm:
         if args.batch_size % comm.size:
             raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the "
                              f"{comm.size} ranks")
