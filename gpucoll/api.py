@@ -98,10 +98,11 @@ def _cpu_factory(store, rank, world_size, **settings) -> Communicator:
     return CPUCommunicator(store, rank, world_size, **settings)
 
 
-def _nccl_factory(store, rank, world_size, **settings) -> Communicator:
+def _nccl_factory(store, rank, world_size, device=None, **settings) -> Communicator:
     from .backends.nccl import NCCLCommunicator
 
-    return NCCLCommunicator(store, rank, world_size, device=config.get("GPUCOLL_DEVICE"),
+    return NCCLCommunicator(store, rank, world_size,
+                            device=config.get("GPUCOLL_DEVICE") if device is None else device,
                             watchdog_interval=config.get("GPUCOLL_WATCHDOG_INTERVAL"), **settings)
 
 
@@ -191,7 +192,8 @@ def _resolve_url(url: str, env: LaunchEnv) -> str:
 
 def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
          world_size: Optional[int] = None, url: Optional[str] = None,
-         timeout: Optional[float] = None, store=None) -> Communicator:
+         timeout: Optional[float] = None, store=None,
+         device: Optional[int] = None) -> Communicator:
     """Create the communicator of this job.
 
     Args:
@@ -202,6 +204,8 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
             serves the store unless a launcher does) or "file:///path" (one host).
         timeout: seconds for this and every later blocking call (GPUCOLL_TIMEOUT).
         store: an existing ``gpucoll.rendezvous.Store`` to use instead of ``url``.
+        device: NCCL backend: the GPU to use (default GPUCOLL_DEVICE, else the local rank
+            modulo the number of GPUs).
 
     Returns:
         A ``Communicator``.
@@ -234,6 +238,8 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         raise ValueError(f"init(): timeout must be positive, got {timeout}")
 
     backend = resolve_backend(backend, env.local_size if env.world_size == world_size else None)
+    if device is not None and backend != "nccl":
+        raise ValueError(f"init(device={device}) applies to the nccl backend, not {backend!r}")
 
     token = config.get("GPUCOLL_AUTH_TOKEN")
     url = url or config.get("GPUCOLL_INIT_URL")
@@ -255,6 +261,8 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         owns_store=owns_store)
     log.info("rank %d of %d: backend %s, store %s, comm %s", rank, world_size, backend,
              url if owns_store else type(store).__name__, settings["comm_id"])
+    if device is not None:
+        settings["device"] = int(device)
     try:
         return _BACKENDS[backend](store, rank, world_size, **settings)
     except BaseException:

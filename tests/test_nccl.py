@@ -86,6 +86,11 @@ def test_auto_needs_a_gpu_per_local_rank_unless_nccl_may_share(monkeypatch):
     assert api.resolve_backend("nccl", local_size=4) == "nccl"  # asked for explicitly
 
 
+def test_device_is_for_the_nccl_backend_only():
+    with pytest.raises(ValueError, match=r"init\(device=1\) applies to the nccl backend"):
+        gpucoll.init(backend="cpu", rank=0, world_size=1, url="tcp://127.0.0.1:1", device=1)
+
+
 def test_unknown_backend_is_a_value_error():
     with pytest.raises(ValueError, match="unknown backend 'gloo'"):
         api.resolve_backend("gloo")
