@@ -31,6 +31,9 @@ class ReduceOp(enum.Enum):
     def parse(cls, op: Union["ReduceOp", str]) -> "ReduceOp":
         if isinstance(op, ReduceOp):
             return op
+        found = _OP_NAMES.get(op) if isinstance(op, str) else None
+        if found is not None:
+            return found
         if isinstance(op, str):
             try:
                 return cls(op.strip().lower())
@@ -39,6 +42,8 @@ class ReduceOp(enum.Enum):
         names = ", ".join(m.value for m in cls)
         raise ValueError(f"unknown reduction op {op!r}; expected one of {names}")
 
+
+_OP_NAMES = {member.value: member for member in ReduceOp}  # the exact lower-case names (hot path)
 
 # name: (wire code, NCCL dtype name or None)
 DTYPES: Dict[str, tuple] = {
@@ -82,12 +87,28 @@ def dtype_from_code(code: int) -> str:
     return _BY_CODE[code]
 
 
+_VALID_OP_DTYPE: set = set()  # (op, dtype) pairs already checked (hot path)
+
+
 def check_op_dtype(op: ReduceOp, dtype) -> None:
     """Raise TypeError when ``op`` makes no sense for ``dtype``.
 
     BAND/BOR/BXOR need integers or bool; MIN/MAX are undefined for complex numbers;
     AVG is undefined for bool.
     """
+    try:
+        if (op, dtype) in _VALID_OP_DTYPE:
+            return
+    except TypeError:  # an unhashable dtype-like: check it the long way
+        pass
+    _check_op_dtype(op, dtype)
+    try:
+        _VALID_OP_DTYPE.add((op, dtype))
+    except TypeError:
+        pass
+
+
+def _check_op_dtype(op: ReduceOp, dtype) -> None:
     dt = np.dtype(dtype)
     kind = dt.kind  # b, i, u, f, c
     if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and kind not in "biu":

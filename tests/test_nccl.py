@@ -140,15 +140,31 @@ def test_ranks_behind_without_a_store_is_none():
 
 
 # ---------------------------------------------------------------- watchdog
+class _Pool(list):
+    """The event pool; records that an event came back."""
+
+    def __init__(self, released):
+        super().__init__()
+        self.released = released
+
+    def append(self, item):
+        super().append(item)
+        self.released.set()
+
+
 class _Item:
-    """A work item whose completion the test sets."""
+    """A work item (an event with ``done``) whose completion the test sets."""
 
     def __init__(self):
         self.finished = threading.Event()
         self.released = threading.Event()
 
+    @property
+    def done(self):
+        return self.finished.is_set()
+
     def pending(self, op, seq, deadline, **kw):
-        return nt.Pending(op, seq, deadline, self.finished.is_set, release=self.released.set, **kw)
+        return nt.Pending(op, seq, deadline, self, pool=_Pool(self.released), **kw)
 
 
 def _watchdog(**kw):
@@ -208,6 +224,32 @@ def test_watchdog_fires_once_on_overdue_work():
     finally:
         dog.stop()
     assert not dog.alive  # the thread ends after a failure
+
+
+def test_watchdog_follows_each_stream_in_order():
+    dog, failures, _, fired = _watchdog()
+    try:
+        now = time.monotonic()
+        a = [_Item() for _ in range(40)]
+        b = [_Item() for _ in range(5)]
+        for i, item in enumerate(a):
+            dog.track(item.pending("all_reduce", i + 1, now + 0.3, stream="A"))
+        for i, item in enumerate(b):
+            dog.track(item.pending("send", i + 1, now + 30, peer=1, collective=False,
+                                   stream="B"))
+        for item in a[:17] + b:  # stream A completed a prefix; stream B everything
+            item.finished.set()
+        deadline = time.monotonic() + 5
+        while len(dog.outstanding()) != 23 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        left = dog.outstanding()
+        assert [p.seq for p in left] == list(range(18, 41)) and dog.completed == 17
+        assert all(item.released.is_set() for item in a[:17] + b)
+        assert not any(item.released.is_set() for item in a[17:])
+        assert fired.wait(5)  # stream A's operation #18 is overdue
+        assert failures[0][0] == "timeout" and failures[0][2].seq == 18
+    finally:
+        dog.stop()
 
 
 def test_watchdog_reports_asynchronous_errors():

@@ -130,6 +130,7 @@ class NCCLCommunicator(Communicator):
             raise ValueError(f"rank={rank} is out of range for world_size={size}")
         self._cupy, self._nccl = nccl_transport.load()
         cupy = self._cupy
+        self._runtime = cupy.cuda.runtime
         self.rank, self.size, self.timeout = rank, size, float(timeout)
         self.comm_id = comm_id
         self._root_store, self._owns_store = store, owns_store
@@ -156,14 +157,19 @@ class NCCLCommunicator(Communicator):
         self._device.use()
         self.nccl_comm = _nccl_comm if _nccl_comm is not None else \
             nccl_transport.create_communicator(self._store, rank, size, self.device, self.timeout)
-        self.nccl_version = decode_nccl_version(self._nccl.get_version())
-        self._events: List[Any] = []
-        self._barrier_buffer = cupy.zeros(1, dtype=np.int32)
-        self._bytes_type = self._nccl.NCCL_UINT8
-        self._watchdog = Watchdog(
-            rank, check_error=self._check_async_error, on_failure=self._on_watchdog,
-            publish=self._publish_progress, interval=watchdog_interval, setup=self._device.use,
-            name=f"gpucoll-watchdog-{comm_id}")
+        try:
+            self.nccl_version = decode_nccl_version(self._nccl.get_version())
+            self._events: List[Any] = []
+            self._reductions: dict = {}  # (dtype, op) -> (NCCL dtype, count factor, NCCL op)
+            self._barrier_buffer = cupy.zeros(1, dtype=np.int32)
+            self._bytes_type = self._nccl.NCCL_UINT8
+            self._watchdog = Watchdog(
+                rank, check_error=self._check_async_error, on_failure=self._on_watchdog,
+                publish=self._publish_progress, interval=watchdog_interval,
+                setup=self._device.use, name=f"gpucoll-watchdog-{comm_id}")
+        except BaseException:
+            self.nccl_comm.abort()  # do not leak the NCCL communicator
+            raise
 
     def _local_rank(self) -> Tuple[int, int]:
         """(local rank, local size) from the host ids every rank publishes in the store."""
@@ -207,6 +213,11 @@ class NCCLCommunicator(Communicator):
                              f"communicator uses GPU {self.device}")
         return x
 
+    def _empty(self, shape: Tuple[int, ...], dtype: Any) -> Any:
+        """A new array on this communicator's GPU, whichever device is current."""
+        with self._cupy.cuda.Device(self.device):
+            return self._cupy.empty(shape, dtype=dtype)
+
     def _export(self, result: Any, like: Any) -> Any:
         if like is None or isinstance(like, self._cupy.ndarray):
             return result
@@ -219,6 +230,8 @@ class NCCLCommunicator(Communicator):
             return self._cupy.cuda.get_current_stream().ptr
         if isinstance(stream, int) and not isinstance(stream, bool):
             return stream
+        if hasattr(stream, "__index__") and not isinstance(stream, bool):  # NumPy integers
+            return int(stream.__index__())
         for attr in ("ptr", "cuda_stream"):
             value = getattr(stream, attr, None)
             if isinstance(value, int):
@@ -231,6 +244,17 @@ class NCCLCommunicator(Communicator):
 
     def _reduction(self, x: Any, op: ReduceOp) -> Tuple[int, int, int]:
         """(NCCL dtype, element count, NCCL op) for reducing ``x`` with ``op``."""
+        try:
+            dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
+            return dtype, per_element * x.size, reduce_op
+        except KeyError:
+            pass
+        dtype, count, reduce_op = self._translate_reduction(x, op)
+        if x.size:
+            self._reductions[(x.dtype, op)] = (dtype, count // x.size, reduce_op)
+        return dtype, count, reduce_op
+
+    def _translate_reduction(self, x: Any, op: ReduceOp) -> Tuple[int, int, int]:
         nccl = self._nccl
         reduce_op = nccl_transport.nccl_op(nccl, op)
         name = x.dtype.name
@@ -285,7 +309,7 @@ class NCCLCommunicator(Communicator):
     def _timed_out(self, op: str, seq: int, limit: float,
                    peer: Optional[int] = None) -> CommTimeoutError:
         """Fail the communicator after a host-side wait on ``op`` #``seq`` ran out; the error."""
-        pending = Pending(op, seq, 0.0, lambda: False, peer, peer is None)
+        pending = Pending(op, seq, 0.0, None, peer, peer is None)
         message = self._timeout_message(pending, limit)
         self._fail("timeout", message + "; the communicator was aborted, create a new one", pending)
         return CommTimeoutError(self._failure[1], rank=self.rank, peer=peer, op=op, seq=seq)
@@ -317,9 +341,7 @@ class NCCLCommunicator(Communicator):
             self.nccl_comm.check_async_error()
 
     # ------------------------------------------------------------------ enqueueing
-    def _event(self) -> Any:
-        if self._events:
-            return self._events.pop()
+    def _new_event(self) -> Any:
         return self._cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
 
     def _enqueue(self, name: str, launch: Callable[[int], None], stream: Any, async_op: bool,
@@ -330,9 +352,18 @@ class NCCLCommunicator(Communicator):
         ``seq`` is None for point-to-point operations (they have their own counter).
         """
         self._check_alive()
+        if self._runtime.getDevice() == self.device:
+            return self._enqueue_here(name, launch, stream, async_op, result, seq, peer, check)
+        with self._cupy.cuda.Device(self.device):  # its GPU, whichever device is current
+            return self._enqueue_here(name, launch, stream, async_op, result, seq, peer, check)
+
+    def _enqueue_here(self, name, launch, stream, async_op, result, seq, peer, check) -> Any:
+        """``_enqueue`` with this communicator's GPU current."""
         ptr = self._stream_ptr(stream)
         collective = seq is not None
-        if not collective:
+        if collective:
+            self._seq = seq  # taken only now: a usage error above must not use up a number
+        else:
             self._p2p_seq += 1
         number = seq if collective else self._p2p_seq
         if check is not None and self._debug and self.size > 1:
@@ -345,21 +376,18 @@ class NCCLCommunicator(Communicator):
             message = f"rank {self.rank}: {name} #{number}: NCCL refused the call: {exc}"
             self._fail("error", message, None)
             raise CommAbortedError(message) from exc
-        event = self._event()
-        self._cupy.cuda.runtime.eventRecord(event.ptr, ptr)
-        if async_op:
-            release = _noop  # the Work keeps the event; it is not reused
-        else:
-            release = lambda: self._events.append(event)  # noqa: E731
-        self._watchdog.track(Pending(name, number, time.monotonic() + self.timeout,
-                                     lambda: event.done, peer, collective, release))
+        event = self._events.pop() if self._events else self._new_event()
+        self._runtime.eventRecord(event.ptr, ptr)
+        # a Work keeps its event (pool None); other events go back to the pool once done
+        self._watchdog.track(Pending(name, number, time.monotonic() + self.timeout, event,
+                                     peer, collective, None if async_op else self._events, ptr))
         if async_op:
             return CudaWork(self, name, number, event, result, peer)
         return result
 
     def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
+        """The number of the next collective; ``_enqueue`` takes it once the call is valid."""
+        return self._seq + 1
 
     def _debug_check(self, name: str, seq: int, dtype, shape, op: Optional[ReduceOp] = None,
                      root: int = -1) -> None:
@@ -380,6 +408,7 @@ class NCCLCommunicator(Communicator):
             self._store.delete(f"debug/{seq - 2}/{self.rank}")
         error = signature.mismatch_error(signatures, self.rank, name, seq)
         if error is not None:
+            self._fail("error", str(error), None)  # as after any mismatch: aborted
             raise error
 
     # ------------------------------------------------------------------ collectives
@@ -411,7 +440,7 @@ class NCCLCommunicator(Communicator):
 
     def _all_gather(self, x, out, async_op: bool, stream=None):
         if out is None:
-            out = self._cupy.empty((self.size,) + tuple(x.shape), dtype=x.dtype)
+            out = self._empty((self.size,) + tuple(x.shape), dtype=x.dtype)
         comm, src, dst, nbytes = self.nccl_comm, x.data.ptr, out.data.ptr, x.nbytes
         kind = self._bytes_type
         seq = self._next_seq()
@@ -422,7 +451,7 @@ class NCCLCommunicator(Communicator):
     def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
         dtype, count, reduce_op = self._reduction(x, op)
         if out is None:
-            out = self._cupy.empty(tuple(x.shape[1:]), dtype=x.dtype)
+            out = self._empty(tuple(x.shape[1:]), dtype=x.dtype)
         comm, src, dst, per_rank = self.nccl_comm, x.data.ptr, out.data.ptr, count // self.size
         seq = self._next_seq()
         return self._enqueue(
@@ -455,7 +484,7 @@ class NCCLCommunicator(Communicator):
     def _gather(self, x, root: int, out, stream=None):
         if self.rank == root:
             if out is None:
-                out = self._cupy.empty((self.size,) + tuple(x.shape), dtype=x.dtype)
+                out = self._empty((self.size,) + tuple(x.shape), dtype=x.dtype)
             block, base = x.nbytes, out.data.ptr
             recvs = [(base + r * block, block, r) for r in range(self.size) if r != root]
             launch = self._grouped([], recvs, [(base + root * block, x.data.ptr, block)])
@@ -469,7 +498,7 @@ class NCCLCommunicator(Communicator):
     def _scatter(self, x, root: int, out, template, stream=None):
         if out is None:
             chunk, dtype = template
-            out = self._cupy.empty(chunk, dtype=dtype)
+            out = self._empty(chunk, dtype=dtype)
         block = out.nbytes
         if self.rank == root:
             base = x.data.ptr
@@ -483,7 +512,7 @@ class NCCLCommunicator(Communicator):
 
     def _all_to_all(self, x, out, stream=None):
         if out is None:
-            out = self._cupy.empty(tuple(x.shape), dtype=x.dtype)
+            out = self._empty(tuple(x.shape), dtype=x.dtype)
         block = x.nbytes // self.size if self.size else 0
         src, dst = x.data.ptr, out.data.ptr
         peers = [r for r in range(self.size) if r != self.rank]
@@ -519,7 +548,7 @@ class NCCLCommunicator(Communicator):
         """``ncclCommSplit``, after a store round that checks every rank arrived (so the
         blocking NCCL call cannot wait forever) and computes the new ranks and local ranks."""
         self._check_alive()
-        seq = self._next_seq()
+        seq = self._seq = self._next_seq()
         self._splits += 1
         number = self._splits
         mine = f"{-1 if color is None else color},{key},{host_id()}"
@@ -530,16 +559,27 @@ class NCCLCommunicator(Communicator):
         except CommTimeoutError:
             missing = self._store.missing(keys)
             late = [r for r, k in enumerate(keys) if k in missing]
-            raise CommTimeoutError(
-                f"rank {self.rank}: split #{seq}: ranks {', '.join(map(str, late))} did not "
-                f"call split within {self.timeout:g} s", rank=self.rank, op="split",
-                seq=seq) from None
+            message = (f"rank {self.rank}: split #{seq}: ranks {', '.join(map(str, late))} did "
+                       f"not call split within {self.timeout:g} s")
+            self._fail("timeout", message, None)  # as after any timeout: aborted
+            raise CommTimeoutError(message, rank=self.rank, op="split", seq=seq) from None
         table = []
         for r in range(self.size):
             c, k, host = self._store.get(keys[r], self.timeout).decode().split(",", 2)
             table.append((int(c), int(k), r, host))
         self._drain(self.timeout)
-        new_comm = self.nccl_comm.commSplit(-1 if color is None else color, key)
+        try:
+            new_comm = nccl_transport.run_bounded(
+                lambda: self.nccl_comm.commSplit(-1 if color is None else color, key),
+                self.device, self.timeout, f"rank {self.rank}: split #{seq} (ncclCommSplit)",
+                "split", self.rank)
+        except CommTimeoutError as exc:
+            self._fail("timeout", str(exc), None)
+            raise
+        except Exception as exc:  # NcclError: a GpucollError, as from every other NCCL call
+            message = f"rank {self.rank}: split #{seq}: NCCL refused the call: {exc}"
+            self._fail("error", message, None)
+            raise CommAbortedError(message) from exc
         if color is None:
             return None
         members = sorted((k, r, host) for c, k, r, host in table if c == color)
@@ -607,6 +647,3 @@ class NCCLCommunicator(Communicator):
         return (f"<NCCLCommunicator rank={self.rank} size={self.size} device={self.device} "
                 f"nccl={self.nccl_version}>")
 
-
-def _noop() -> None:
-    return None

@@ -22,14 +22,13 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ..errors import BackendUnavailableError, CommTimeoutError
 from ..types import ReduceOp
 
 __all__ = ["load", "unavailable_reason", "device_count", "nccl_version_code", "nccl_dtype", "nccl_op",
-           "create_communicator", "publish_progress", "ranks_behind", "Pending", "Watchdog",
+           "create_communicator", "run_bounded", "publish_progress", "ranks_behind", "Pending", "Watchdog",
            "REDUCIBLE", "NCCL_DTYPES"]
 
 log = logging.getLogger("gpucoll")
@@ -139,35 +138,52 @@ def create_communicator(store, rank: int, size: int, device: int, timeout: float
     blocks until every rank has called it, starts only when all of them are there. The call
     itself runs on a helper thread and is bounded by ``timeout`` too.
     """
-    cupy, nccl = load()
+    _, nccl = load()
     if rank == 0:
         store.set(key, bytes(nccl.get_unique_id()))
     store.barrier(f"{key}/barrier", size, timeout)
     unique_id = store.get(key, timeout)
-    result: Dict[str, Any] = {}
-
-    def init() -> None:
-        try:
-            cupy.cuda.Device(device).use()
-            result["comm"] = nccl.NcclCommunicator(size, unique_id, rank)
-        except BaseException as exc:  # handed to the caller below
-            result["error"] = exc
-
-    thread = threading.Thread(target=init, name="gpucoll-nccl-init", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise CommTimeoutError(
-            f"rank {rank}: ncclCommInitRank did not finish within {timeout:g} s (every rank "
-            f"reached the store barrier; run with NCCL_DEBUG=INFO to see where NCCL waits)",
-            rank=rank, op="init")
-    if "error" in result:
-        error = result["error"]
+    try:
+        return run_bounded(lambda: nccl.NcclCommunicator(size, unique_id, rank), device, timeout,
+                           f"rank {rank}: ncclCommInitRank", "init", rank)
+    except CommTimeoutError:
+        raise
+    except Exception as error:
         raise BackendUnavailableError(
             f"rank {rank}: ncclCommInitRank failed on GPU {device}: {error} (run with "
             f"NCCL_DEBUG=INFO for NCCL's own log; `gpucoll doctor` checks the installation)") \
             from error
-    return result["comm"]
+
+
+def run_bounded(fn: Callable[[], Any], device: int, timeout: float, what: str, op: str,
+                rank: int) -> Any:
+    """``fn()`` on a helper thread with GPU ``device`` current, waited for at most ``timeout``.
+
+    For NCCL calls that block until every rank has made them (communicator creation, split),
+    so a rank that dies at the wrong moment cannot hang the others forever. Raises what
+    ``fn`` raised, or ``CommTimeoutError`` (the thread is left behind, blocked in NCCL).
+    """
+    cupy, _ = load()
+    result: Dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            cupy.cuda.Device(device).use()
+            result["value"] = fn()
+        except BaseException as exc:  # handed to the caller below
+            result["error"] = exc
+
+    thread = threading.Thread(target=call, name=f"gpucoll-{op}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise CommTimeoutError(
+            f"{what} did not finish within {timeout:g} s (every rank had reached the store "
+            f"barrier before it; run with NCCL_DEBUG=INFO to see where NCCL waits)",
+            rank=rank, op=op)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def publish_progress(store, rank: int, issued: int) -> None:
@@ -194,21 +210,39 @@ def ranks_behind(store, size: int, rank: int, seq: int) -> Optional[List[int]]:
         return None
 
 
-@dataclass
 class Pending:
-    """One enqueued operation the watchdog follows until its event completes."""
+    """One enqueued operation the watchdog follows until its CUDA event completes.
 
-    op: str
-    seq: int
-    deadline: float
-    done: Callable[[], bool]
-    peer: Optional[int] = None  # point-to-point: the other rank
-    collective: bool = True
-    release: Callable[[], None] = field(default=lambda: None)  # e.g. return the event to a pool
+    ``event`` needs only a ``done`` attribute (CuPy's ``Event.done``); once done, the event
+    goes back to ``pool`` (a list) for reuse, unless ``pool`` is None (a ``Work`` keeps it).
+    """
+
+    __slots__ = ("op", "seq", "deadline", "event", "peer", "collective", "pool", "stream")
+
+    def __init__(self, op: str, seq: int, deadline: float, event: Any,
+                 peer: Optional[int] = None, collective: bool = True,
+                 pool: Optional[List[Any]] = None, stream: Any = None):
+        self.op, self.seq, self.deadline, self.event = op, seq, deadline, event
+        self.peer, self.collective, self.pool, self.stream = peer, collective, pool, stream
+
+    def done(self) -> bool:
+        return bool(self.event.done)
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.append(self.event)
+
+    def __repr__(self) -> str:
+        return f"<Pending {self.op} #{self.seq}>"
 
 
 class Watchdog:
     """Follows enqueued GPU work; calls ``on_failure(kind, message, pending)`` at most once.
+
+    Work is kept per stream, in issue order. Operations on one stream complete in order, so
+    each poll finds the completed prefix of a stream with a binary search over its events
+    (a few event queries however many operations completed since the last poll) and retires
+    it; the oldest operation still running on each stream is checked against its deadline.
 
     Args:
         rank: this rank, for messages.
@@ -230,8 +264,7 @@ class Watchdog:
         self._publish = publish
         self._interval = interval
         self._setup = setup
-        self._pending: Deque[Pending] = collections.deque()
-        self._lock = threading.Lock()
+        self._streams: Dict[Any, Deque[Pending]] = {}
         self._stop = threading.Event()
         self._failed = False
         self.issued = 0  # last collective sequence number handed to track()
@@ -241,15 +274,24 @@ class Watchdog:
         self._thread.start()
 
     def track(self, pending: Pending) -> None:
-        """Follow ``pending`` (called right after the operation was enqueued)."""
-        with self._lock:
-            self._pending.append(pending)
-            if pending.collective and pending.seq > self.issued:
-                self.issued = pending.seq
+        """Follow ``pending``, called right after the operation was enqueued, from the thread
+        that issues operations (``deque.append`` needs no lock against ``popleft``)."""
+        queue = self._streams.get(pending.stream)
+        if queue is None:
+            queue = self._streams[pending.stream] = collections.deque()
+        queue.append(pending)
+        if pending.collective and pending.seq > self.issued:
+            self.issued = pending.seq
 
     def outstanding(self) -> List[Pending]:
-        with self._lock:
-            return list(self._pending)
+        """Operations not yet seen complete, oldest first."""
+        for _ in range(100):
+            try:
+                entries = [p for queue in list(self._streams.values()) for p in list(queue)]
+                return sorted(entries, key=lambda p: p.deadline)
+            except RuntimeError:  # a queue changed while it was copied: copy again
+                continue
+        return []
 
     def stop(self, join: float = 2.0) -> None:
         self._stop.set()
@@ -277,32 +319,43 @@ class Watchdog:
             if self._failed:
                 return
 
+    @staticmethod
+    def _completed_prefix(queue: Deque[Pending]) -> int:
+        """How many operations at the front of ``queue`` have completed (binary search)."""
+        n = len(queue)
+        if n == 0 or not queue[0].done():
+            return 0
+        if queue[n - 1].done():
+            return n
+        lo, hi = 0, n - 1  # queue[lo] done, queue[hi] not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if queue[mid].done():
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
     def poll(self, now: float) -> None:
         """One round: retire completed work, check for NCCL errors and overdue work, publish."""
-        try:
+        overdue: Optional[Pending] = None
+        for queue in list(self._streams.values()):
+            for _ in range(self._completed_prefix(queue)):
+                pending = queue.popleft()
+                if pending.collective and pending.seq > self.completed:
+                    self.completed = pending.seq
+                pending.release()
+            if queue:
+                head = queue[0]
+                if now > head.deadline and (overdue is None or head.deadline < overdue.deadline):
+                    overdue = head
+        try:  # after retiring: an error is not blamed on an operation that completed
             self._check_error()
         except Exception as exc:
             head = self.outstanding()[:1]
             self._fail("error", f"NCCL reported an asynchronous error: {exc}",
                        head[0] if head else None)
             return
-        overdue: Optional[Pending] = None
-        while True:
-            with self._lock:
-                head = self._pending[0] if self._pending else None
-            if head is None:
-                break
-            if head.done():
-                with self._lock:
-                    if self._pending and self._pending[0] is head:
-                        self._pending.popleft()
-                if head.collective:
-                    self.completed = max(self.completed, head.seq)
-                head.release()
-                continue
-            if now > head.deadline:
-                overdue = head
-            break
         if self._publish is not None and self.issued != self._published:
             issued = self.issued
             try:
