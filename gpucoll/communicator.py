@@ -380,6 +380,15 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Close the communicator after a last check that no message was left unreceived."""
 
+    def _release_store(self) -> None:
+        """Close the rendezvous store when this communicator opened it (``init`` without
+        ``store=``); sub-communicators share their parent's and leave it open."""
+        if getattr(self, "_owns_store", False):
+            try:
+                self._root_store.close()
+            except Exception:
+                pass
+
     def __enter__(self) -> "Communicator":
         return self
 

@@ -472,13 +472,6 @@ class CPUCommunicator(Communicator):
                 f"rank {self.rank}: messages were left unreceived at close: " + "; ".join(problems),
                 rank=self.rank)
 
-    def _release_store(self) -> None:
-        if self._owns_store:
-            try:
-                self._root_store.close()
-            except Exception:
-                pass
-
     def __del__(self):  # best effort: never leave sockets behind
         try:
             if not self._closed and self._aborted is None:

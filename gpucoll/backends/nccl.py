@@ -636,13 +636,6 @@ class NCCLCommunicator(Communicator):
                     pass
             self._release_store()
 
-    def _release_store(self) -> None:
-        if self._owns_store:
-            try:
-                self._root_store.close()
-            except Exception:
-                pass
-
     def __repr__(self) -> str:
         return (f"<NCCLCommunicator rank={self.rank} size={self.size} device={self.device} "
                 f"nccl={self.nccl_version}>")
