@@ -224,3 +224,26 @@ def test_synchronous_on_cupy_arrays():
     for params in results[1:]:
         for got, want in zip(params, expected):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _final_accuracy(argv, n):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", str(n), "-m"] + argv +
+                         ["--epochs", "6", "--cpu", "--batch-size", "60"],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    epochs = [line for line in out.stdout.splitlines() if "] epoch" in line]
+    assert len(epochs) == 6
+    return float(epochs[-1].split("test acc")[1].split()[0]), out.stdout
+
+
+def test_example_reaches_data_parallel_accuracy():
+    """Async PS, 2 servers, 2 workers, against data parallelism on 2 ranks: within 2 points."""
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    ps, stdout = _final_accuracy(["gpucoll.examples.train_ps", "--mode", "async", "--servers",
+                                  "2", "--staleness", "1"], 4)
+    ddp, _ = _final_accuracy(["gpucoll.examples.train_digits"], 2)
+    assert "2 server(s), 2 worker(s), mode async (staleness 1)" in stdout
+    assert ps > 0.9 and abs(ps - ddp) <= 0.02, (ps, ddp)

@@ -199,3 +199,17 @@ def test_mlp_on_cupy_arrays(sequence_parallel):
         rows = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2) if sequence_parallel else slice(None)
         np.testing.assert_allclose(y, y_ref[rows], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dx, dx_ref[rows], rtol=1e-5, atol=1e-5)
+
+
+def test_example_trains_with_tensor_parallel_groups():
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "4", "-m",
+                          "gpucoll.examples.train_tp", "--epochs", "2", "--cpu",
+                          "--sequence-parallel"], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 data-parallel replica(s) x 2 tensor-parallel rank(s)" in out.stdout
+    epochs = [line for line in out.stdout.splitlines() if "] epoch" in line]
+    assert len(epochs) == 2 and float(epochs[-1].split("test acc")[1].split()[0]) > 0.9

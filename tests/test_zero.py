@@ -212,3 +212,22 @@ def test_zero_on_cupy_arrays():
         for g, want in zip(params, expected):
             # the reference saw unscaled gradients: scale 4 then unscale is exact
             np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-5)
+
+
+def test_example_trains_with_zero():
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    import subprocess
+    import sys
+
+    runs = {}
+    for flags in ([], ["--zero"]):
+        out = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "2", "-m",
+                              "gpucoll.examples.train_digits", "--epochs", "1", "--cpu"] + flags,
+                             capture_output=True, text=True, timeout=100)
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines = out.stdout.splitlines()
+        state = [int(line.split("rank: ")[1].split()[0]) for line in lines if "state per" in line]
+        epochs = [line.split("] ", 1)[1].rsplit("(", 1)[0] for line in lines if "] epoch" in line]
+        runs[bool(flags)] = state[0], epochs
+    assert runs[True][1] == runs[False][1]          # same losses and accuracies, to 4 digits
+    assert runs[False][0] / 2 <= runs[True][0] < runs[False][0] / 2 + 4 * 64 * 4  # half + padding
