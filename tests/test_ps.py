@@ -8,10 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from gpucoll.errors import PeerError
 from gpucoll.examples.train_digits import init_params, loss_and_grads, sgd_step
 from gpucoll.ps import ParameterServer, PSLayout, PSWorker
 from mp_harness import RankPool, run_ranks
+
+# ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
+_ONE_BLAS_THREAD = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -232,7 +234,8 @@ def _final_accuracy(argv, n):
 
     out = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", str(n), "-m"] + argv +
                          ["--epochs", "6", "--cpu", "--batch-size", "60"],
-                         capture_output=True, text=True, timeout=100)
+                         capture_output=True, text=True, timeout=100,
+                         env=_ONE_BLAS_THREAD)
     assert out.returncode == 0, out.stdout + out.stderr
     epochs = [line for line in out.stdout.splitlines() if "] epoch" in line]
     assert len(epochs) == 6

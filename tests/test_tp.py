@@ -2,12 +2,17 @@
 reference) at 2, 3 and 4 ranks, plain and sequence-parallel, the number of collectives an MLP
 needs, and usage errors."""
 
+import os
+
 import numpy as np
 import pytest
 
 import gpucoll
 from gpucoll.tp import ColumnParallelLinear, ParallelMLP, RowParallelLinear, init_linear
 from mp_harness import RankPool
+
+# ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
+_ONE_BLAS_THREAD = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -208,7 +213,8 @@ def test_example_trains_with_tensor_parallel_groups():
 
     out = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "4", "-m",
                           "gpucoll.examples.train_tp", "--epochs", "2", "--cpu",
-                          "--sequence-parallel"], capture_output=True, text=True, timeout=100)
+                          "--sequence-parallel"], capture_output=True, text=True, timeout=100,
+                         env=_ONE_BLAS_THREAD)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 data-parallel replica(s) x 2 tensor-parallel rank(s)" in out.stdout
     epochs = [line for line in out.stdout.splitlines() if "] epoch" in line]

@@ -2,6 +2,8 @@
 (SGD-momentum and Adam, 2 and 3 ranks, sizes not divisible by the world size), optimizer state
 1 / world_size of DDP's, layout mismatches, overflow skipping, and usage errors."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,9 @@ import gpucoll
 from gpucoll.ddp import Bucketer, DynamicLossScaler, ShardedOptimizer
 from gpucoll.examples.train_digits import init_params, loss_and_grads
 from mp_harness import RankPool
+
+# ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
+_ONE_BLAS_THREAD = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -223,7 +228,8 @@ def test_example_trains_with_zero():
     for flags in ([], ["--zero"]):
         out = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "2", "-m",
                               "gpucoll.examples.train_digits", "--epochs", "1", "--cpu"] + flags,
-                             capture_output=True, text=True, timeout=100)
+                             capture_output=True, text=True, timeout=100,
+                         env=_ONE_BLAS_THREAD)
         assert out.returncode == 0, out.stdout + out.stderr
         lines = out.stdout.splitlines()
         state = [int(line.split("rank: ")[1].split()[0]) for line in lines if "state per" in line]
