@@ -118,3 +118,34 @@ def test_bucketer_with_scaler_matches_unscaled_training(pool, inject):
                            (True, 2048.0)]
         for got, want in zip(params, expected):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _gpu_overflow(comm):
+    import cupy
+
+    grads = [cupy.ones((4, 4), cupy.float32), cupy.ones(9, cupy.float32)]
+    bucketer = Bucketer(comm, grads)
+    scaler = DynamicLossScaler(comm, init_scale=8.0, growth_interval=1)
+    log = []
+    for step in range(3):
+        grads = [cupy.full((4, 4), 8.0 * (comm.rank + 1), cupy.float32),
+                 cupy.full(9, 16.0, cupy.float32)]
+        if step == 1 and comm.rank == comm.size - 1:
+            grads[1][4] = cupy.inf
+        bucketer.reduce(grads, loss_scale=scaler.scale)   # fused unpack kernel on the GPU
+        before = scaler.scale
+        log.append((scaler.update(bucketer.found_nonfinite()), before,
+                    float(grads[0][0, 0]) if step != 1 else None))
+    return log
+
+
+@pytest.mark.gpu
+def test_bucketer_unscales_and_flags_on_cupy_arrays():
+    pool = RankPool(2)
+    try:
+        results = pool.run(_gpu_overflow)
+    finally:
+        pool.close()
+    for log in results:
+        # step 0: mean of 8 and 16, unscaled by 8 -> 1.5; step 2: scale 16 after grow, back off
+        assert log == [(True, 8.0, 1.5), (False, 16.0, None), (True, 8.0, 1.5)]
