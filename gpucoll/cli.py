@@ -119,8 +119,10 @@ def _add_bench_parser(commands) -> None:
         help="root of broadcast and reduce (default: 0)")
     add("-T", "--timeout", type=float, default=300.0, metavar="SECONDS",
         help="limit of every blocking call; a stuck rank fails the run (default: 300)")
-    add("--backend", default=None, choices=("auto", "cpu", "nccl"),
-        help="gpucoll backend (default: GPUCOLL_BACKEND, i.e. auto)")
+    from .backends.registry import backend_names
+
+    add("--backend", default=None, choices=("auto", *backend_names()),
+        help="gpucoll backend, auto or a registered one (default: GPUCOLL_BACKEND, i.e. auto)")
     add("--compare", default=None, choices=("gloo",),
         help="also time torch.distributed's Gloo backend in the same ranks; adds a ratio column")
     add("--json", default=None, metavar="FILE", help="write every row and the summary as JSON")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Optional, Sequence, Tuple, Union
 
+from .errors import UnsupportedOperationError
 from .types import ReduceOp, check_op_dtype, wire_code
 from .work import Work
 
@@ -30,7 +31,10 @@ class Communicator(abc.ABC):
         size: number of ranks.
         local_rank: rank among the group's ranks on this host.
         local_size: number of the group's ranks on this host.
-        backend: "cpu" or "nccl".
+        backend: the registered name of the backend ("cpu", "nccl", ...).
+        memory: where the arrays it takes live: "host" (NumPy; the CPU backend also stages
+            CuPy arrays) or "cuda" (GPU arrays). Code that allocates buffers for a
+            communicator asks this, never the backend's name.
         timeout: seconds a blocking call may wait.
     """
 
@@ -39,6 +43,7 @@ class Communicator(abc.ABC):
     local_rank: int
     local_size: int
     backend: str
+    memory: str = "host"
     timeout: float
 
     # ------------------------------------------------------------------ checks
@@ -402,38 +407,43 @@ class Communicator(abc.ABC):
         return f"<{type(self).__name__} backend={self.backend} rank={self.rank} size={self.size}>"
 
     # ------------------------------------------------------------------ backend hooks
-    @abc.abstractmethod
-    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None): ...
+    # A backend overrides the operations it has; the others raise UnsupportedOperationError
+    # ("backend X does not support Y") after the arguments were checked, before anything is sent.
+    def _unsupported(self, op: str):
+        raise UnsupportedOperationError(self.backend, op)
 
-    @abc.abstractmethod
-    def _broadcast(self, x, root: int, async_op: bool, stream=None): ...
+    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        return self._unsupported("all_reduce")
 
-    @abc.abstractmethod
-    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None): ...
+    def _broadcast(self, x, root: int, async_op: bool, stream=None):
+        return self._unsupported("broadcast")
 
-    @abc.abstractmethod
-    def _all_gather(self, x, out, async_op: bool, stream=None): ...
+    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None):
+        return self._unsupported("reduce")
 
-    @abc.abstractmethod
-    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None): ...
+    def _all_gather(self, x, out, async_op: bool, stream=None):
+        return self._unsupported("all_gather")
 
-    @abc.abstractmethod
-    def _gather(self, x, root: int, out, stream=None): ...
+    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        return self._unsupported("reduce_scatter")
 
-    @abc.abstractmethod
-    def _scatter(self, x, root: int, out, template, stream=None): ...
+    def _gather(self, x, root: int, out, stream=None):
+        return self._unsupported("gather")
 
-    @abc.abstractmethod
-    def _all_to_all(self, x, out, stream=None): ...
+    def _scatter(self, x, root: int, out, template, stream=None):
+        return self._unsupported("scatter")
 
-    @abc.abstractmethod
-    def _send(self, x, dst: int, tag: int, async_op: bool, stream=None): ...
+    def _all_to_all(self, x, out, stream=None):
+        return self._unsupported("all_to_all")
 
-    @abc.abstractmethod
-    def _recv(self, out, src: int, tag: int, async_op: bool, stream=None): ...
+    def _send(self, x, dst: int, tag: int, async_op: bool, stream=None):
+        return self._unsupported("send")
 
-    @abc.abstractmethod
-    def _barrier(self, timeout: float) -> None: ...
+    def _recv(self, out, src: int, tag: int, async_op: bool, stream=None):
+        return self._unsupported("recv")
 
-    @abc.abstractmethod
-    def _split(self, color: Optional[int], key: int) -> Optional["Communicator"]: ...
+    def _barrier(self, timeout: float) -> None:
+        return self._unsupported("barrier")
+
+    def _split(self, color: Optional[int], key: int) -> Optional["Communicator"]:
+        return self._unsupported("split")

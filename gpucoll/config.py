@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-__all__ = ["Setting", "SETTINGS", "get", "get_raw", "is_set", "unknown_names", "markdown_table"]
+__all__ = ["Setting", "SETTINGS", "parse_bytes", "get", "get_raw", "is_set", "unknown_names", "markdown_table"]
 
 
 def _parse_bool(text: str) -> bool:
@@ -31,16 +31,23 @@ def _parse_bool(text: str) -> bool:
 
 
 def _parse_bytes(text: str) -> int:
-    """Parse '4194304', '4MiB', '256KiB', '1G' into a byte count."""
+    """Parse '4194304', '4MiB', '256KiB', '1G' into a byte count (binary multiples)."""
     units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
              "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-             "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+             "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+             "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
     stripped = text.strip().lower()
     number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = stripped[len(number):].strip()
     if unit not in units or not number:
         raise ValueError(f"expected a byte count such as 4194304, 256KiB or 4MiB, got {text!r}")
-    return int(float(number) * units[unit])
+    value = float(number) * units[unit]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+parse_bytes = _parse_bytes  # the one byte-count grammar (settings and command lines)
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -52,6 +59,17 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
     parse.__name__ = " / ".join(choices)
     return parse
+
+
+def _name(text: str) -> str:
+    """A lower-case name, checked by whoever owns the list of names (e.g. the backend registry)."""
+    value = text.strip().lower()
+    if not value:
+        raise ValueError("expected a name, got an empty value")
+    return value
+
+
+_name.__name__ = "name"
 
 
 @dataclass(frozen=True)
@@ -71,9 +89,10 @@ class Setting:
 
 
 _GPUCOLL = [
-    Setting("GPUCOLL_BACKEND", _choice("auto", "cpu", "nccl"), "auto",
+    Setting("GPUCOLL_BACKEND", _name, "auto",
             "Backend for `init()` when none is passed: `auto` picks NCCL when CuPy, NCCL and a GPU "
-            "are usable, else `cpu`."),
+            "are usable, else `cpu`; or the name of any registered backend (`cpu`, `nccl`, or "
+            "one added with `register_backend`)."),
     Setting("GPUCOLL_INIT_URL", str, "env://",
             "Rendezvous URL for `init()` when none is passed: `env://`, `tcp://host:port` or "
             "`file:///path`."),

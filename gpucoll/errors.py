@@ -13,6 +13,7 @@ __all__ = [
     "BackendUnavailableError",
     "AuthenticationError",
     "StoreError",
+    "UnsupportedOperationError",
 ]
 
 
@@ -68,3 +69,11 @@ class AuthenticationError(GpucollError):
 
 class StoreError(GpucollError):
     """The rendezvous store failed (connection lost, protocol error, bad reply)."""
+
+
+class UnsupportedOperationError(GpucollError, NotImplementedError):
+    """The backend does not implement this operation ("backend X does not support Y")."""
+
+    def __init__(self, backend: str, op: str, hint: str = ""):
+        super().__init__(f"backend {backend!r} does not support {op}" + (f"; {hint}" if hint else ""))
+        self.backend, self.op = backend, op

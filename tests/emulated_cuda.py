@@ -8,7 +8,7 @@ by ``tests/test_nccl_gpu.py``.
 Usage::
 
     emu = Emulation(device_count=4)
-    monkeypatch.setattr(gpucoll.transports.nccl, "_LOADED", (emu.cupy, emu.nccl))
+    monkeypatch.setattr(gpucoll.cuda_env, "_LOADED", (emu.cupy, emu.nccl))
 
 ``emu.cupy`` stands for ``cupy`` and ``emu.nccl`` for ``cupy.cuda.nccl`` (the CuPy 14 API:
 ``get_unique_id()`` returns bytes, ``NcclCommunicator(ndev, commId: bytes, rank)``, and

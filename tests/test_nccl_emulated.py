@@ -20,7 +20,7 @@ import gpucoll
 from gpucoll import api
 from gpucoll.backends.nccl import CudaWork
 from gpucoll.errors import CollectiveMismatchError, CommAbortedError, CommTimeoutError
-from gpucoll.transports import nccl as nt
+from gpucoll import cuda_env
 
 import emulated_cuda
 from emulated_cuda import Emulation, NcclError
@@ -68,8 +68,7 @@ def _check(got, expected, what, op="sum"):
 @pytest.fixture
 def emu(monkeypatch):
     e = Emulation(device_count=4, timeout=5.0)
-    monkeypatch.setattr(nt, "_LOADED", (e.cupy, e.nccl))
-    monkeypatch.setattr(api, "_nccl_unavailable", lambda: None)
+    monkeypatch.setattr(cuda_env, "_LOADED", (e.cupy, e.nccl))
     monkeypatch.setenv("GPUCOLL_WATCHDOG_INTERVAL", "0.01")
     monkeypatch.delenv("GPUCOLL_DEBUG", raising=False)
     monkeypatch.delenv("GPUCOLL_DEVICE", raising=False)

@@ -226,7 +226,9 @@ def _spawned_rank(rank: int, nranks: int, url: str, env: Dict[str, str], opts: B
     try:
         import gpucoll
 
-        if opts.backend == "nccl":
+        from ..backends.registry import get_backend
+
+        if opts.backend not in (None, "auto") and get_backend(opts.backend).memory == "cuda":
             import cupy
 
             cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()

@@ -6,33 +6,17 @@ collective's (dtype, op) pairs before any rank starts.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import numpy as np
 
+from ..cliutil import UsageError, parse_size  # noqa: F401  (re-exported)
 from ..types import ReduceOp, check_op_dtype
 from .specs import COLLECTIVES, Collective
 
 
-class UsageError(ValueError):
-    """A bad ``gpucoll bench`` argument (the CLI exits 2)."""
-
-
 # ---------------------------------------------------------------- sizes, dtypes, ops
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``8``, ``1K``, ``64M``, ``1G`` (binary multiples, as nccl-tests; ``B`` optional)."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise UsageError(f"bad size {text!r}: expected a byte count such as 8, 1K, 64M or 1G")
-    return int(match.group(1)) * _SCALE[match.group(2).lower()]
-
-
 def size_sweep(min_bytes: int, max_bytes: int, factor: int = 2, step: int = 0) -> List[int]:
     """Sizes from ``min_bytes`` to ``max_bytes``: times ``factor``, or plus ``step`` when given."""
     if min_bytes < 0 or max_bytes < min_bytes:

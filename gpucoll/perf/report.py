@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from .options import BenchOptions, UsageError
+from ..cliutil import UsageError, require_matplotlib  # noqa: F401  (re-exported)
+from .options import BenchOptions
 from .specs import COLLECTIVES
 
 
@@ -185,19 +186,6 @@ def write_csv(path: str, rows: Sequence[Dict[str, Any]]) -> None:
                 line += ["" if entry.get(p) is None else entry[p] for p in parts]
             line.append("" if row.get("ratio") is None else row["ratio"])
             writer.writerow(line)
-
-
-def require_matplotlib(flag: str = "--plot"):
-    """``matplotlib.pyplot`` with a headless backend, or UsageError saying what to install."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UsageError(f"{flag} needs matplotlib: pip install 'gpucoll[plot]' "
-                         "(or pip install matplotlib)") from None
-    return plt
 
 
 def write_plot(path: str, rows: Sequence[Dict[str, Any]], compare: Optional[str]) -> None:
