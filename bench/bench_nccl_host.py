@@ -1,7 +1,7 @@
 """Host-side cost of one NCCL-backend ``all_reduce`` call, measurable without a GPU.
 
 Runs gpucoll's NCCL backend on the test suite's emulation of CuPy and NCCL
-(``tests/emulated_cuda.py``) with the NCCL call, the CUDA event and the stream lookup replaced
+(``tests/emulated_cuda/``) with the NCCL call, the CUDA event and the stream lookup replaced
 by no-ops, so what is timed is gpucoll's own Python per call: argument checks, dtype and op
 translation, sequence numbers, the watchdog record, the result hand-back. The emulated
 arrays' ``data``/``flags``/``device`` properties are Python here (Cython in CuPy), so this is

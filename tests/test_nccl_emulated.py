@@ -1,4 +1,4 @@
-"""The NCCL backend run against an emulation of CuPy and NCCL (tests/emulated_cuda.py).
+"""The NCCL backend run against an emulation of CuPy and NCCL (tests/emulated_cuda/).
 
 Ranks are threads; each builds its communicator with ``gpucoll.init(backend="nccl")`` through a
 file store. What is tested is gpucoll's own bookkeeping: how arguments become NCCL calls, the
