@@ -39,6 +39,8 @@ there is a warning.
   ``numa_node``), ``peer_access`` (count x count booleans; true on the diagonal), ``errors``.
 - ``backend``: ``auto`` (``"nccl"`` or ``"cpu"``), ``reason``, ``configured`` (the value of
   ``GPUCOLL_BACKEND``), ``nccl_backend`` (``"available"`` or why gpucoll cannot offer it).
+- ``backends``: every registered backend's name -> ``status`` (``"available"`` or why not),
+  ``memory`` (``"host"`` / ``"cuda"``) and ``description``.
 - ``warnings`` (list of str) and ``fix`` (the pip commands, one per line, or null).
 
 Example::
@@ -207,7 +209,7 @@ def _gpu_section(cupy: Any) -> Dict[str, Any]:
 
 def _backend_section(report: Dict[str, Any]) -> Dict[str, Any]:
     from . import config
-    from .api import available_backends
+    from .backends.registry import available_backends, resolve_backend
 
     section: Dict[str, Any] = {"auto": "cpu", "reason": "", "configured": None,
                                "nccl_backend": None}
@@ -235,7 +237,23 @@ def _backend_section(report: Dict[str, Any]) -> Dict[str, Any]:
         section["auto"] = "nccl"
         section["reason"] = (f"CuPy {cupy['version']}, NCCL {nccl['version']} and "
                              f"{gpus['count']} GPU(s) are usable")
+    try:
+        chosen = resolve_backend("auto")
+    except Exception as exc:
+        chosen, section["reason"] = section["auto"], f"{section['reason']}; auto failed: {_describe(exc)}"
+    if chosen not in ("cpu", "nccl"):  # a registered backend ranks above both
+        section["auto"] = chosen
+        section["reason"] = f"backend {chosen!r} is registered with a higher auto priority and is usable"
     return section
+
+
+def _backends_section() -> Dict[str, Any]:
+    """Every registered backend: whether it can run here, its memory and description."""
+    from .backends.registry import available_backends, backend_names, get_backend
+
+    status = available_backends()
+    return {name: {"status": status[name], "memory": get_backend(name).memory,
+                   "description": get_backend(name).description} for name in backend_names()}
 
 
 def _major(version: Optional[str]) -> Optional[int]:
@@ -317,6 +335,8 @@ def collect() -> Dict[str, Any]:
         "available": False, "unavailable_reason": f"the GPU probe failed ({gpu_errors[0]})",
         "count": 0, "devices": [], "peer_access": [], "errors": gpu_errors}
     report["backend"] = _backend_section(report)
+    backend_errors: List[str] = []
+    report["backends"] = _attempt(backend_errors, "backend registry", _backends_section, {})
     report["warnings"], needs_fix = _warnings(report)
     report["fix"] = (nccl_fix_hint(dists, _major(report["cuda"]["driver_version"]))
                      if needs_fix else None)
@@ -404,6 +424,9 @@ def format_text(report: Dict[str, Any]) -> str:
     lines.append(label("Backend") + f"auto -> {backend['auto']}: {reason}"
                  + (f" (GPUCOLL_BACKEND={backend['configured']})"
                     if backend["configured"] not in (None, "auto") else ""))
+    for name, entry in report.get("backends", {}).items():
+        state = "available" if entry["status"] == "available" else "unavailable"
+        lines.append(f"  {name:<8} {entry['memory']:<5} {state}: {entry['description']}")
 
     if report["warnings"]:
         lines.append(f"Warnings ({len(report['warnings'])}):")

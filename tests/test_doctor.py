@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
 
 TOP_KEYS = {"gpucoll_version", "python", "platform", "distributions", "cupy", "cuda", "nccl",
-            "gpus", "backend", "warnings", "fix"}
+            "gpus", "backend", "backends", "warnings", "fix"}
 SECTION_KEYS = {
     "python": {"version", "implementation", "executable"},
     "cupy": {"installed", "importable", "version", "distributions", "cuda", "packaging",
