@@ -10,9 +10,11 @@ Importing gpucoll never imports CuPy.
 """
 
 from .api import init
+from .backends.registry import available_backends, register_backend
 from .communicator import Communicator
 from .errors import (AuthenticationError, BackendUnavailableError, CollectiveMismatchError,
-                     CommAbortedError, CommTimeoutError, GpucollError, PeerError, StoreError)
+                     CommAbortedError, CommTimeoutError, GpucollError, PeerError, StoreError,
+                     UnsupportedOperationError)
 from .types import ReduceOp
 from .work import Work
 
@@ -21,5 +23,6 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Communicator", "Work", "ReduceOp", "GpucollError", "CommTimeoutError", "PeerError",
     "CollectiveMismatchError", "CommAbortedError", "BackendUnavailableError",
-    "AuthenticationError", "StoreError", "__version__",
+    "AuthenticationError", "StoreError", "UnsupportedOperationError", "register_backend",
+    "available_backends", "__version__",
 ]
