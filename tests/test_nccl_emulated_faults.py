@@ -136,6 +136,49 @@ def test_synchronize_timeout_aborts_the_communicator(run, emu):
     assert emu.calls["abort"] == 1
 
 
+def test_a_cuda_fault_is_named_at_once_not_reported_as_a_timeout(run, emu):
+    """cudaEventQuery returns an error status without raising; a failed event is not "still
+    running": the watchdog and a host wait both name the CUDA error."""
+    cp = emu.cupy
+
+    def fn(comm):
+        stream = cp.cuda.Stream(non_blocking=True)
+        x = cp.ones(4)
+        emu.stall(stream)
+        comm.all_reduce(x, stream=stream)
+        emu.inject_fault(stream, 700)
+        started = time.monotonic()
+        _wait_until(lambda: comm._failure is not None)
+        assert time.monotonic() - started < 3  # the communicator's timeout is 10 s
+        with pytest.raises(CommAbortedError, match=r"all_reduce #1: the GPU reported "
+                                                   r"cudaErrorIllegalAddress.*CUDA error 700"):
+            comm.all_reduce(x)
+        assert comm.nccl_comm._status == "aborted"
+        emu.release(stream)
+        return True
+
+    assert run(1, fn) == [True]
+
+
+def test_a_cuda_fault_ends_a_host_wait_with_its_name(run, emu, monkeypatch):
+    cp = emu.cupy
+    monkeypatch.setenv("GPUCOLL_WATCHDOG_INTERVAL", "30")  # the host wait sees it first
+
+    def fn(comm):
+        stream = cp.cuda.Stream(non_blocking=True)
+        x = cp.ones(4)
+        emu.stall(stream)
+        work = comm.all_reduce(x, async_op=True, stream=stream)
+        emu.inject_fault(stream, 719)
+        with pytest.raises(CommAbortedError, match="cudaErrorLaunchFailure"):
+            work.synchronize(timeout=5)
+        assert work.is_completed() and isinstance(work.exception(), CommAbortedError)
+        emu.release(stream)
+        return True
+
+    assert run(1, fn) == [True]
+
+
 # ---------------------------------------------------------------- watchdog
 def test_watchdog_names_the_rank_that_never_arrived(run, emu):
     cp = emu.cupy

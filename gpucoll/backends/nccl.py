@@ -32,6 +32,7 @@ Errors
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
@@ -47,7 +48,7 @@ from ..types import ReduceOp
 from . import nccl_runtime, signature
 from .nccl_arrays import export_like, import_device_array, stream_pointer
 from .nccl_work import CudaWork
-from .watchdog import Pending, Watchdog
+from .watchdog import CudaFault, Pending, Watchdog, event_status
 
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
@@ -106,6 +107,10 @@ class NCCLCommunicator(Communicator):
             self._reductions: dict = {}  # (dtype, op) -> (NCCL dtype, count factor, NCCL op)
             self._barrier_buffer = cupy.zeros(1, dtype=np.int32)
             self._bytes_type = self._nccl.NCCL_UINT8
+            runtime = self._runtime
+            self._event_done = functools.partial(
+                event_status, runtime.eventQuery,
+                describe=lambda status: str(runtime.CUDARuntimeError(status)))
             self._watchdog = Watchdog(
                 rank, check_error=self._check_async_error, on_failure=self._on_watchdog,
                 publish=self._publish_progress, interval=watchdog_interval,
@@ -198,6 +203,17 @@ class NCCLCommunicator(Communicator):
         message += "; the communicator was aborted, create a new one"
         self._fail(kind, message, pending)
 
+    def _work_done(self, op: str, seq: int, event: Any) -> bool:
+        """Whether the GPU work before ``event`` finished; a CUDA fault fails the communicator
+        and raises its error (never reported later as a timeout)."""
+        try:
+            return self._event_done(event)
+        except CudaFault as fault:
+            self._fail("error", f"rank {self.rank}: {op} #{seq}: the GPU reported {fault} (CUDA "
+                                f"error {fault.status}); the communicator was aborted, create "
+                                f"a new one", None)
+            raise self._error() from None
+
     def _timed_out(self, op: str, seq: int, limit: float,
                    peer: Optional[int] = None) -> CommTimeoutError:
         """Fail the communicator after a host-side wait on ``op`` #``seq`` ran out; the error."""
@@ -272,7 +288,8 @@ class NCCLCommunicator(Communicator):
         self._runtime.eventRecord(event.ptr, ptr)
         # a Work keeps its event (pool None); other events go back to the pool once done
         self._watchdog.track(Pending(name, number, time.monotonic() + self.timeout, event,
-                                     peer, collective, None if async_op else self._events, ptr))
+                                     peer, collective, None if async_op else self._events, ptr,
+                                     self._event_done))
         if async_op:
             return CudaWork(self, name, number, event, result, peer)
         return result
@@ -488,7 +505,7 @@ class NCCLCommunicator(Communicator):
         """Wait (host) until every tracked operation has completed, bounded by ``timeout``."""
         deadline = time.monotonic() + timeout
         for pending in self._watchdog.outstanding():
-            while not pending.done():
+            while not self._work_done(pending.op, pending.seq, pending.event):
                 if self._failure is not None:
                     raise self._error()
                 if time.monotonic() > deadline:

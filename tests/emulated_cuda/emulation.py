@@ -71,6 +71,7 @@ class Emulation:
         runtime.getDevice = emu.current_device
         runtime.setDevice = lambda device: device_t(device).use()
         runtime.eventRecord = emu.event_record
+        runtime.eventQuery = emu.event_query
         runtime.streamWaitEvent = lambda stream, event, flags=0: emu.stream_wait_event(stream,
                                                                                        event)
         runtime.memcpyAsync = emu.memcpy_async
@@ -322,6 +323,7 @@ class Emulation:
                                    f"{event.device_id} recorded on {state.name}")
         with self.lock:
             event._recorded += 1
+            event._stream_state = state
             generation = event._recorded
 
         def complete() -> None:
@@ -438,6 +440,23 @@ class Emulation:
             for state in states:
                 state.stalled = False
         self._pump_all()
+
+    def event_query(self, event_ptr: int) -> int:
+        """``cudaEventQuery``: 0 when done, 600 (not ready) while the work before it runs, or
+        the error of a faulted stream (see :meth:`inject_fault`); never raises, as CuPy's."""
+        event = self._event(event_ptr)
+        with self.lock:
+            if event._completed >= event._recorded:
+                return 0
+            state = getattr(event, "_stream_state", None)
+            return getattr(state, "fault", None) or 600
+
+    def inject_fault(self, stream: Any, status: int = 700, device: Optional[int] = None) -> None:
+        """Make the work held on ``stream`` fail with CUDA error ``status`` (700: illegal
+        address): its events report that status from ``eventQuery`` instead of "not ready"."""
+        state = self._state(getattr(stream, "ptr", stream), device)
+        with self.lock:
+            state.fault = int(status)
 
     def inject_async_error(self, comm: NcclCommunicator,
                            detail: str = "remote process exited or there was a network error"
