@@ -16,6 +16,8 @@ from .work import Work
 
 __all__ = ["Communicator"]
 
+_INT32_LIMIT = 2 ** 31
+
 Array = Any  # numpy.ndarray, cupy.ndarray, or what a backend accepts
 
 
@@ -357,6 +359,12 @@ class Communicator(abc.ABC):
             raise TypeError(f"color must be an int or None, got {color!r}")
         if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
             raise TypeError(f"key must be an int or None, got {key!r}")
+        # NCCL's color and key are C ints: check the range here, on every backend, before
+        # anything is sent (a rank that failed later would leave the others waiting).
+        if color is not None and color >= _INT32_LIMIT:
+            raise ValueError(f"color={color} is too large: colors must be below 2**31")
+        if key is not None and not -_INT32_LIMIT <= key < _INT32_LIMIT:
+            raise ValueError(f"key={key} is out of range: keys must be in [-2**31, 2**31)")
         if color is not None and color < 0:
             color = None
         return self._split(color, self.rank if key is None else key)
