@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-__all__ = ["Setting", "SETTINGS", "parse_bytes", "get", "get_raw", "is_set", "unknown_names", "markdown_table"]
+__all__ = ["Setting", "SETTINGS", "parse_bytes", "set_default", "get", "get_raw", "is_set", "unknown_names", "markdown_table"]
 
 
 def _parse_bool(text: str) -> bool:
@@ -163,13 +163,27 @@ _LAUNCHERS = [
     Setting("PMI_SIZE", int, None, "Number of ranks under MPICH (PMI).", "pmi"),
     Setting("MPI_LOCALRANKID", int, None, "Rank on this host under MPICH (Hydra).", "pmi"),
     Setting("MPI_LOCALNRANKS", int, None, "Ranks on this host under MPICH (Hydra).", "pmi"),
-    # NCCL's own variable, read (never set) to decide whether backend "auto" may put several
-    # local ranks on one GPU
+    # NCCL's own variables: NCCL_MULTI_RANK_GPU_ENABLE is read to decide whether backend "auto"
+    # may put several local ranks on one GPU; NCCL_RUNTIME_CONNECT is given a default
     Setting("NCCL_MULTI_RANK_GPU_ENABLE", _parse_bool, False,
             "NCCL >= 2.30: allow several ranks on one GPU (experimental).", "nccl"),
+    Setting("NCCL_RUNTIME_CONNECT", str, None,
+            "NCCL: `1` connects peers lazily inside the first call that needs them (NCCL's "
+            "default); `0` at communicator creation. The NCCL backend sets `0` when unset, so a "
+            "missing peer shows at `init()`, within the timeout.", "nccl"),
 ]
 
 SETTINGS: Dict[str, Setting] = {s.name: s for s in _GPUCOLL + _LAUNCHERS}
+
+
+def set_default(name: str, value: str) -> bool:
+    """Give a declared variable a value in this process's environment unless it is set, for
+    libraries that read it themselves (NCCL). Returns whether it was set now."""
+    _lookup(name)
+    if name in os.environ:
+        return False
+    os.environ[name] = str(value)
+    return True
 
 
 def _lookup(name: str) -> Setting:

@@ -640,3 +640,38 @@ def test_point_to_point_timeout_names_the_peer(run, emu):
             finished.set()
 
     assert run(2, fn) == [True, None]
+
+
+def test_a_host_call_that_blocks_in_nccl_is_bounded_by_the_watchdog(run, emu):
+    """NCCL can block the host inside a call (lazy connection to a missing peer; here the
+    emulation's lone send waits for its receive): the watchdog holds that call to the
+    communicator's timeout too, and names the op and the peer."""
+    cp = emu.cupy
+    finished = threading.Event()
+
+    def fn(comm):
+        if comm.rank == 1:
+            assert finished.wait(10)  # never receives
+            return None
+        try:
+            started = time.monotonic()
+            with pytest.raises(CommTimeoutError, match=r"rank 0: send #1 did not complete on GPU "
+                                                       r"0 within 0.5 s \(peer rank 1\)"):
+                comm.send(cp.ones(3), 1)  # blocks inside the call; emu.timeout is 5 s
+            assert time.monotonic() - started < 3
+            return True
+        finally:
+            finished.set()
+
+    assert run(2, fn, timeout=0.5) == [True, None]
+
+
+def test_peers_are_connected_at_creation_unless_the_user_says_otherwise(run, emu, monkeypatch):
+    import os
+
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
+    run(1, lambda comm: True)
+    assert os.environ["NCCL_RUNTIME_CONNECT"] == "0"
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "1")
+    run(1, lambda comm: True)
+    assert os.environ["NCCL_RUNTIME_CONNECT"] == "1"

@@ -276,18 +276,26 @@ class NCCLCommunicator(Communicator):
         number = seq if collective else self._p2p_seq
         if check is not None and self._debug and self.size > 1:
             self._debug_check(name, seq, *check)
+        deadline = time.monotonic() + self.timeout
+        self._watchdog.enter_host_call(Pending(name, number, deadline, None, peer, collective))
         try:
             launch(ptr)
         except GpucollError:
             raise
         except Exception as exc:  # NcclError raised while enqueueing
+            if self._failure is not None:  # the watchdog gave up on this very call first
+                raise self._error() from exc
             message = f"rank {self.rank}: {name} #{number}: NCCL refused the call: {exc}"
             self._fail("error", message, None)
             raise CommAbortedError(message) from exc
+        finally:
+            self._watchdog.leave_host_call()
+        if self._failure is not None:  # the call returned only after the watchdog gave up
+            raise self._error()
         event = self._events.pop() if self._events else self._new_event()
         self._runtime.eventRecord(event.ptr, ptr)
         # a Work keeps its event (pool None); other events go back to the pool once done
-        self._watchdog.track(Pending(name, number, time.monotonic() + self.timeout, event,
+        self._watchdog.track(Pending(name, number, deadline, event,
                                      peer, collective, None if async_op else self._events, ptr,
                                      self._event_done))
         if async_op:

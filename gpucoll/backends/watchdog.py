@@ -119,6 +119,7 @@ class Watchdog:
         self.issued = 0  # last collective sequence number handed to track()
         self._published = 0
         self.completed = 0  # last collective sequence number seen complete
+        self._host_call: Optional[Pending] = None  # an NCCL call the host is inside of
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -131,6 +132,17 @@ class Watchdog:
         queue.append(pending)
         if pending.collective and pending.seq > self.issued:
             self.issued = pending.seq
+
+    def enter_host_call(self, pending: Pending) -> None:
+        """The issuing thread is about to call into NCCL for ``pending``. NCCL connects peers
+        lazily inside such calls and can block there on a missing peer; until
+        :meth:`leave_host_call`, the watchdog holds the call to ``pending.deadline`` too."""
+        if pending.collective and pending.seq > self.issued:
+            self.issued = pending.seq  # this rank reached it, even if NCCL blocks inside
+        self._host_call = pending
+
+    def leave_host_call(self) -> None:
+        self._host_call = None
 
     def outstanding(self) -> List[Pending]:
         """Operations not yet seen complete, oldest first."""
@@ -204,6 +216,10 @@ class Watchdog:
                 head = queue[0]
                 if now > head.deadline and (overdue is None or head.deadline < overdue.deadline):
                     overdue = head
+        stuck = self._host_call
+        if stuck is not None and now > stuck.deadline and (
+                overdue is None or stuck.deadline < overdue.deadline):
+            overdue = stuck
         try:  # after retiring: an error is not blamed on an operation that completed
             self._check_error()
         except Exception as exc:
