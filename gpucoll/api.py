@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 from urllib.parse import urlparse
 
-from . import config
+from . import config, default_comm
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CommTimeoutError, StoreError
 
@@ -193,7 +194,7 @@ def _resolve_url(url: str, env: LaunchEnv) -> str:
 def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
          world_size: Optional[int] = None, url: Optional[str] = None,
          timeout: Optional[float] = None, store=None,
-         device: Optional[int] = None) -> Communicator:
+         device: Optional[int] = None, set_default: bool = True) -> Communicator:
     """Create the communicator of this job.
 
     Args:
@@ -206,6 +207,12 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         store: an existing ``gpucoll.rendezvous.Store`` to use instead of ``url``.
         device: NCCL backend: the GPU to use (default GPUCOLL_DEVICE, else the local rank
             modulo the number of GPUs).
+        set_default: make the communicator the default one (``gpucoll.get_rank()``,
+            ``gpucoll.default()``...; see ``gpucoll.default_comm``).
+
+    With no launcher variables and no rank or size given, the world is this process alone:
+    rank 0 of 1 on the CPU backend (for backend "auto"), with one line on stderr saying so
+    (GPUCOLL_QUIET=1 silences it). A world of one needs no URL.
 
     Returns:
         A ``Communicator``.
@@ -221,12 +228,16 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         comm = gpucoll.init(backend="cpu", rank=r, world_size=2, url="tcp://127.0.0.1:29500")
     """
     log.setLevel(config.get("GPUCOLL_LOG_LEVEL").upper())
-    for name in config.unknown_names():
-        warnings.warn(f"unknown environment variable {name} (not a gpucoll setting; typo?)",
-                      stacklevel=2)
+    for message in config.unknown_name_warnings():
+        warnings.warn(message, stacklevel=2)
     env = detect_environment()
+    alone = rank is None and world_size is None and env.source == "none"
     rank = env.rank if rank is None else rank
     world_size = env.world_size if world_size is None else world_size
+    if alone:
+        rank, world_size = 0, 1
+    elif rank is None and world_size is not None and int(world_size) == 1:
+        rank = 0
     if rank is None or world_size is None:
         raise ValueError("init(): rank and world_size are unknown; run under `gpucoll run`, "
                          "torchrun, mpiexec or srun, or pass rank= and world_size=")
@@ -237,7 +248,13 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     if not timeout > 0:
         raise ValueError(f"init(): timeout must be positive, got {timeout}")
 
+    if alone and (backend or config.get("GPUCOLL_BACKEND")).lower() == "auto":
+        backend = "cpu"
     backend = resolve_backend(backend, env.local_size if env.world_size == world_size else None)
+    if alone and not config.get("GPUCOLL_QUIET"):
+        sys.stderr.write(f"gpucoll: no launcher found (no RANK/WORLD_SIZE, Slurm, Open MPI or "
+                         f"PMI variables): running as rank 0 of 1 on the {backend} backend "
+                         f"(GPUCOLL_QUIET=1 hides this line)\n")
     if device is not None and backend != "nccl":
         raise ValueError(f"init(device={device}) applies to the nccl backend, not {backend!r}")
 
@@ -245,7 +262,12 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     url = url or config.get("GPUCOLL_INIT_URL")
     advertise = config.get("GPUCOLL_HOST") or "127.0.0.1"
     owns_store = store is None
-    if store is None:
+    if store is None and world_size == 1 and url.startswith("env://") and (
+            env.master_addr is None or env.master_port is None):
+        from .rendezvous.memory_store import MemoryStore
+
+        store, url = MemoryStore(timeout), "memory:// (a world of one)"
+    elif store is None:
         url = _resolve_url(url, env)
         parsed = urlparse(url)
         if parsed.scheme == "tcp" and not config.get("GPUCOLL_HOST"):
@@ -264,11 +286,16 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     if device is not None:
         settings["device"] = int(device)
     try:
-        return _BACKENDS[backend](store, rank, world_size, **settings)
-    except BaseException:
+        comm = _BACKENDS[backend](store, rank, world_size, **settings)
+    except BaseException as exc:
         if owns_store:
             store.close()
+        if isinstance(exc, CommTimeoutError):
+            exc.add_limit(timeout)
         raise
+    if set_default:
+        default_comm.set_default(comm)
+    return comm
 
 
 def _algorithm_override() -> dict:
@@ -294,7 +321,8 @@ def _connect(url: str, rank: int, world_size: int, timeout: float, token: str):
     except (CommTimeoutError, StoreError) as exc:
         raise CommTimeoutError(
             f"rank {rank}: cannot reach the rendezvous store at {url} within {timeout:g} s "
-            f"(rank 0 or the launcher serves it): {exc}", rank=rank, op="init") from None
+            f"(rank 0 or the launcher serves it): {exc}", rank=rank, op="init",
+            limit=timeout) from None
     if serve:
         server = getattr(store, "server", None)
         if server is not None:

@@ -316,7 +316,8 @@ class NCCLCommunicator(Communicator):
 
     def _timeout_message(self, pending: Pending, limit: Optional[float] = None) -> str:
         text = (f"rank {self.rank}: {pending.op} #{pending.seq} did not complete on GPU "
-                f"{self.device} within {self.timeout if limit is None else limit:g} s")
+                f"{self.device} within {self.timeout if limit is None else limit:g} s "
+                f"(GPUCOLL_TIMEOUT or init(timeout=) sets the limit)")
         if pending.peer is not None:
             return text + f" (peer rank {pending.peer})"
         if not pending.collective:
@@ -588,11 +589,11 @@ class NCCLCommunicator(Communicator):
         hosts = [host for _, _, host in members]
         local = (sum(1 for h in hosts[:new_rank] if h == hosts[new_rank]),
                  sum(1 for h in hosts if h == hosts[new_rank]))
-        return NCCLCommunicator(
+        return self._child(NCCLCommunicator(
             self._root_store, new_rank, len(ranks),
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
             timeout=self.timeout, debug=self._debug, owns_store=False, device=self.device,
-            watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local)
+            watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local), ranks)
 
     def _drain(self, timeout: float) -> None:
         """Wait (host) until every tracked operation has completed, bounded by ``timeout``."""
