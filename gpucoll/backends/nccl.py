@@ -286,6 +286,8 @@ class NCCLCommunicator(Communicator):
             if self._failure is not None:
                 return
             error_type = CommTimeoutError if kind == "timeout" else CommAbortedError
+            if kind == "timeout":
+                message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
             self._failure = (error_type, message)
         try:
             self._store.set(f"abort/{self.rank}", message.encode())
@@ -316,8 +318,7 @@ class NCCLCommunicator(Communicator):
 
     def _timeout_message(self, pending: Pending, limit: Optional[float] = None) -> str:
         text = (f"rank {self.rank}: {pending.op} #{pending.seq} did not complete on GPU "
-                f"{self.device} within {self.timeout if limit is None else limit:g} s "
-                f"(GPUCOLL_TIMEOUT or init(timeout=) sets the limit)")
+                f"{self.device} within {self.timeout if limit is None else limit:g} s")
         if pending.peer is not None:
             return text + f" (peer rank {pending.peer})"
         if not pending.collective:
@@ -563,7 +564,8 @@ class NCCLCommunicator(Communicator):
             message = (f"rank {self.rank}: split #{seq}: ranks {', '.join(map(str, late))} did "
                        f"not call split within {self.timeout:g} s")
             self._fail("timeout", message, None)  # as after any timeout: aborted
-            raise CommTimeoutError(message, rank=self.rank, op="split", seq=seq) from None
+            raise CommTimeoutError(message, rank=self.rank, op="split", seq=seq,
+                                   limit=self.timeout) from None
         table = []
         for r in range(self.size):
             c, k, host = self._store.get(keys[r], self.timeout).decode().split(",", 2)
