@@ -4,10 +4,12 @@
   ``scatter_object``): values go through :mod:`gpucoll.objects` (never pickle) as uint8
   arrays; lengths are exchanged first, so any size works.
 - Uneven gathers (``all_gather_v``, ``gather_v``): each rank contributes its own number of
-  rows (first axis). Rows are padded to the longest contribution and moved by one
-  ``all_gather`` / ``gather``; wire bytes are ``size * max(counts)`` rows per rank instead of
-  ``sum(counts)``, in exchange for one collective instead of ``size`` (the measured trade-off
-  is in bench/RESULTS.md).
+  rows (first axis). Two ways, chosen by the numbers (bench/bench_gatherv.py, bench/RESULTS.md):
+  rows padded to the longest contribution and moved by one ``all_gather`` / ``gather``
+  (``size * max(counts)`` rows on the wire instead of ``sum(counts)``, one collective), or, for
+  ``all_gather_v`` when padding would at least add half again and the total is at least
+  :data:`BROADCAST_MIN_BYTES`, one ``broadcast`` per rank with rows, straight into the result
+  (no padding, ``size`` collectives).
 
 Arrays stay in the memory the caller's array lives in: NumPy on the host, CuPy (or what the
 NCCL backend imported) on the GPU; internal buffers come from the backend's ``_empty`` and
@@ -27,6 +29,8 @@ from .types import DTYPES, wire_code
 __all__ = ["CompositeCollectives"]
 
 _MAX_LISTED_DIMS = 8  # trailing dimensions written out in the layout exchange
+BROADCAST_MIN_BYTES = 4 << 20  # below this, per-rank broadcasts lose to padding (latency)
+BROADCAST_MIN_PADDING = 1.5    # padded / exact bytes from which broadcasts win
 
 
 def _to_host(array: Any) -> np.ndarray:
@@ -244,7 +248,7 @@ class CompositeCollectives:
         return checked
 
     def _uneven_input(self, x: Any, counts: Any, name: str):
-        """(backend view of x, its rows, every rank's rows, the padded send array)."""
+        """(backend view of x, its shape, every rank's rows), all checked."""
         view = self._array(x, "x")
         shape = tuple(int(d) for d in view.shape)
         if not shape:
@@ -255,17 +259,23 @@ class CompositeCollectives:
             counts = self._layout(view, rows)
         else:
             counts = self._check_counts(counts, rows, name)
-        longest = max(counts)
+        return view, shape, counts
+
+    def _padded(self, view: Any, counts: List[int]) -> Any:
+        """This rank's rows padded to the longest count (``view`` itself when it is)."""
+        rows, longest = int(view.shape[0]), max(counts)
         if rows == longest:
-            padded = view
-        else:
-            padded = self._empty_as(view, (longest,) + shape[1:], view.dtype)
-            if rows:
-                padded[:rows] = view
-        return view, shape, counts, padded
+            return view
+        padded = self._empty_as(view, (longest,) + tuple(view.shape[1:]), view.dtype)
+        if rows:
+            padded[:rows] = view
+        return padded
 
     def _concatenate(self, view: Any, blocks: Any, counts: List[int]) -> Any:
-        """Rows ``blocks[r, :counts[r]]`` of every rank, one after another, in a new array."""
+        """Rows ``blocks[r, :counts[r]]`` of every rank, one after another, in a new array
+        (``blocks`` itself, reshaped, when every rank had as many rows)."""
+        if min(counts) == max(counts):
+            return blocks.reshape((sum(counts),) + tuple(view.shape[1:]))
         result = self._empty_as(view, (sum(counts),) + tuple(view.shape[1:]), view.dtype)
         start = 0
         for r, count in enumerate(counts):
@@ -298,12 +308,36 @@ class CompositeCollectives:
             out, counts = comm.all_gather_v(x)      # both: [0., 0., 1.], [1, 2]
         """
         x_in = x
-        view, shape, counts, padded = self._uneven_input(x, counts, "all_gather_v")
-        if max(counts) == 0:
+        view, shape, counts = self._uneven_input(x, counts, "all_gather_v")
+        longest, total = max(counts), sum(counts)
+        row_bytes = view.dtype.itemsize
+        for dim in shape[1:]:
+            row_bytes *= dim
+        if longest == 0:
             result = self._empty_as(view, (0,) + shape[1:], view.dtype)
+        elif total * row_bytes >= BROADCAST_MIN_BYTES and \
+                self.size * longest >= BROADCAST_MIN_PADDING * total:
+            result = self._all_gather_v_broadcasts(view, counts)
         else:
-            result = self._concatenate(view, self.all_gather(padded), counts)
+            result = self._all_gather_v_padded(view, counts)
         return self._hand_back(result, view, x_in), counts
+
+    def _all_gather_v_padded(self, view: Any, counts: List[int]) -> Any:
+        """One all_gather of every rank's rows padded to the longest; then compacted."""
+        return self._concatenate(view, self.all_gather(self._padded(view, counts)), counts)
+
+    def _all_gather_v_broadcasts(self, view: Any, counts: List[int]) -> Any:
+        """One broadcast per rank with rows, straight into its slice of the result."""
+        result = self._empty_as(view, (sum(counts),) + tuple(view.shape[1:]), view.dtype)
+        start = 0
+        for root, count in enumerate(counts):
+            if count:
+                block = result[start:start + count]
+                if root == self.rank:
+                    block[...] = view
+                self.broadcast(block, root)
+            start += count
+        return result
 
     def gather_v(self, x: Any, root: int = 0,
                  counts: Optional[Sequence[int]] = None) -> Tuple[Optional[Any], List[int]]:
@@ -325,12 +359,12 @@ class CompositeCollectives:
         """
         root = self._root(root)
         x_in = x
-        view, shape, counts, padded = self._uneven_input(x, counts, "gather_v")
+        view, shape, counts = self._uneven_input(x, counts, "gather_v")
         if max(counts) == 0:
             result = self._empty_as(view, (0,) + shape[1:], view.dtype) \
                 if self.rank == root else None
         else:
-            blocks = self.gather(padded, root)
+            blocks = self.gather(self._padded(view, counts), root)
             result = self._concatenate(view, blocks, counts) if self.rank == root else None
         if result is None:
             return None, counts

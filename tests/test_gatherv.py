@@ -21,6 +21,7 @@ PATTERNS = {
     "some_zero": lambda r, n: 0 if r % 2 else r + 2,
     "uneven": lambda r, n: 3 * r + 1,
     "one_large": lambda r, n: 40_000 if r == n - 1 else 1,
+    "skewed_big": lambda r, n: 600_000 if r == n - 1 else r,  # >= 4 MiB: per-rank broadcasts
 }
 TRAILING = [(), (3,), (2, 3)]
 DTYPES = ["float32", "int64", "bool", "complex128", "uint8"]
@@ -29,9 +30,10 @@ DTYPES = ["float32", "int64", "bool", "complex128", "uint8"]
 def cases():
     for p_index, pattern in enumerate(PATTERNS):
         for t_index, trailing in enumerate(TRAILING):
-            if pattern == "one_large" and trailing:
-                continue  # one multi-chunk case is enough
-            dtype = DTYPES[(p_index + t_index) % len(DTYPES)]
+            if pattern in ("one_large", "skewed_big") and trailing:
+                continue  # one multi-chunk case each is enough
+            dtype = DTYPES[(p_index + t_index) % len(DTYPES)] if pattern != "skewed_big" \
+                else "float64"
             yield f"{pattern}/{trailing}/{dtype}", pattern, trailing, dtype
 
 
@@ -62,8 +64,11 @@ def rank_gathers(comm, all_cases):
         given = comm.all_gather_v(x, counts=np.array(counts))
         rooted = [comm.gather_v(x, root=root, counts=counts if root % 2 else None)
                   for root in range(comm.size)]
+        both = []  # each strategy of all_gather_v, whichever the sizes would choose
+        if max(counts):
+            both = [comm._all_gather_v_padded(x, counts), comm._all_gather_v_broadcasts(x, counts)]
         np.testing.assert_array_equal(x, keep)  # the input is never touched
-        out[case_id] = (exchanged, given, rooted)
+        out[case_id] = (exchanged, given, rooted, both)
     return out
 
 
@@ -74,7 +79,10 @@ def test_uneven_gathers_match_numpy(pool):
     for rank, got in enumerate(results):
         for seed, (case_id, pattern, trailing, dtype) in enumerate(all_cases):
             want, want_counts = expected(pattern, n, trailing, dtype, seed)
-            exchanged, given, rooted = got[case_id]
+            exchanged, given, rooted, both = got[case_id]
+            for strategy, array in zip(("padded", "broadcasts"), both):
+                assert array.dtype == want.dtype and array.shape == want.shape, case_id
+                np.testing.assert_array_equal(array, want, err_msg=f"{case_id} {strategy}")
             for what, (array, counts) in (("exchanged", exchanged), ("given", given)):
                 assert counts == want_counts and all(type(c) is int for c in counts), case_id
                 assert array.dtype == want.dtype and array.shape == want.shape, (case_id, what)
