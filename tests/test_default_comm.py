@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import gpucoll as gc
-from gpucoll import api, config, default_comm
+from gpucoll import config, default_comm
 from mp_harness import RankPool, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -69,7 +69,7 @@ def test_uneven_gathers_return_device_arrays(run, emu, n):
         rooted = [comm.gather_v(x, root=root) for root in range(n)]
         empty, zeros = comm.all_gather_v(cp.asarray(np.zeros((0, 5), np.int64)))
         return {
-            "types": {type(gathered), type(given), type(empty)} ,
+            "types": {type(gathered), type(given), type(empty)},
             "device": gathered.device.id, "counts": got_counts, "values": gathered.get(),
             "given": given.get(),
             "rooted": [(None if a is None else (type(a) is cp.ndarray, a.get()), c)
