@@ -183,6 +183,8 @@ class NCCLCommunicator(Communicator):
             if self._failure is not None:
                 return
             error_type = CommTimeoutError if kind == "timeout" else CommAbortedError
+            if kind == "timeout":
+                message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
             self._failure = (error_type, message)
         try:
             self._store.set(f"abort/{self.rank}", message.encode())
@@ -479,7 +481,8 @@ class NCCLCommunicator(Communicator):
             message = (f"rank {self.rank}: split #{seq}: ranks {', '.join(map(str, late))} did "
                        f"not call split within {self.timeout:g} s")
             self._fail("timeout", message, None)  # as after any timeout: aborted
-            raise CommTimeoutError(message, rank=self.rank, op="split", seq=seq) from None
+            raise CommTimeoutError(message, rank=self.rank, op="split", seq=seq,
+                                   limit=self.timeout) from None
         table = []
         for r in range(self.size):
             c, k, host = self._store.get(keys[r], self.timeout).decode().split(",", 2)
@@ -503,11 +506,11 @@ class NCCLCommunicator(Communicator):
         ranks = [r for _, r, _ in members]
         new_rank = ranks.index(self.rank)
         local = hosts.local_rank([host for _, _, host in members], new_rank)
-        return NCCLCommunicator(
+        return self._child(NCCLCommunicator(
             self._root_store, new_rank, len(ranks),
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
             timeout=self.timeout, debug=self._debug, owns_store=False, device=self.device,
-            watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local)
+            watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local), ranks)
 
     def _drain(self, timeout: float) -> None:
         """Wait (host) until every tracked operation has completed, bounded by ``timeout``."""
