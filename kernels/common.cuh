@@ -21,7 +21,8 @@ namespace gpucoll {
 // the last flag wins: a plain float multiply, __fmul_rn or a double -> float cast would then
 // compile to .ftz instructions and flush float32 / bfloat16 subnormals to zero. Written in PTX
 // without .ftz they keep subnormals whatever the flags (a test checks the PTX has no .ftz), and
-// mul.rn is never contracted into an FMA. The host build of these sources (the tests' kernel
+// mul.rn is never contracted into an FMA. The bit views are PTX moves so that the optimizer
+// cannot turn the integer tests on them back into (.ftz) float compares. The host build of these sources (the tests' kernel
 // emulation) defines GPUCOLL_HOST_EMULATION and brings C++ definitions of the same functions;
 // nvcc and NVRTC never see that macro.
 #ifndef GPUCOLL_HOST_EMULATION
@@ -48,6 +49,16 @@ __device__ __forceinline__ float f32_from_f16(unsigned short bits) {
 __device__ __forceinline__ unsigned short f16_from_f32(float v) {
   unsigned short r;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ unsigned bits_of(float v) {
+  unsigned r;
+  asm("mov.b32 %0, %1;" : "=r"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ unsigned long long bits_of(double v) {
+  unsigned long long r;
+  asm("mov.b64 %0, %1;" : "=l"(r) : "d"(v));
   return r;
 }
 #endif
@@ -81,7 +92,7 @@ template <> struct convert<float, bf16_t> {
     return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
   }
   static __device__ __forceinline__ bf16_t from(float v) {
-    unsigned u = __float_as_uint(v);
+    unsigned u = bits_of(v);
     bf16_t r;
     if ((u & 0x7fffffffu) > 0x7f800000u) {
       r.bits = static_cast<unsigned short>((u >> 16) | 0x0040u);  // quiet NaN, sign kept
@@ -102,11 +113,10 @@ template <> struct convert<float, f16_t> {
 };
 
 __device__ __forceinline__ bool is_finite(float v) {
-  return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+  return (bits_of(v) & 0x7f800000u) != 0x7f800000u;
 }
 __device__ __forceinline__ bool is_finite(double v) {
-  return (static_cast<unsigned long long>(__double_as_longlong(v)) & 0x7ff0000000000000ull) !=
-         0x7ff0000000000000ull;
+  return (bits_of(v) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
 }
 
 template <typename T, int N> struct alignas(sizeof(T) * N) vec_t { T v[N]; };

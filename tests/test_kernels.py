@@ -247,16 +247,18 @@ def test_packaging_lists_every_package_and_ships_kernels():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
 @pytest.mark.parametrize("name", ["bucket_pack", "bucket_unpack"])
 def test_kernels_compile_with_nvcc(tmp_path, name, arch):
+    """Offline compile of every instantiation, with -ftz=true as CuPy adds it: still no .ftz."""
     ptx = tmp_path / f"{name}.ptx"
-    subprocess.run(["nvcc", "-ptx", f"-arch={arch}", "-DGPUCOLL_INSTANTIATE_ALL",
+    subprocess.run(["nvcc", "-ptx", f"-arch={arch}", "-ftz=true", "-DGPUCOLL_INSTANTIATE_ALL",
                     os.path.join(ROOT, "kernels", name + ".cu"), "-o", str(ptx)],
                    check=True, capture_output=True, timeout=120)
     text = ptx.read_text()
     assert text.count(".entry _Z") >= 6, "one entry point per dtype pair"
     assert "v4.f32" in text and "v2.f64" in text, "16-byte vector accesses were generated"
+    assert ".ftz" not in text, "flush-to-zero instructions would drop subnormals"
 
 
 # ------------------------------------------------------------------------------ CUDA path
