@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 __all__ = ["pack", "unpack", "bucket_offsets", "bfloat16", "SUPPORTED_PAIRS", "kernel_source",
-           "compile_request", "launch_plan", "MAX_ARRAYS_PER_LAUNCH", "TILE_ELEMS"]
+           "compile_request", "launch_plan", "work_tables", "MAX_ARRAYS_PER_LAUNCH", "TILE_ELEMS"]
 
 try:  # NumPy has no bfloat16; ml_dtypes (a JAX dependency) provides one
     import ml_dtypes as _ml_dtypes
@@ -321,27 +321,37 @@ def launch_plan(sizes: Sequence[int], tile: int = TILE_ELEMS) -> List[Tuple[int,
     return plan
 
 
+def work_tables(pointers: Sequence[int], offsets: Sequence[int],
+                sizes: Sequence[int]) -> Iterator[Tuple[int, int, np.ndarray]]:
+    """The launches for arrays at ``pointers`` (addresses): ``(number of arrays, grid, work
+    table)`` per launch, the int64 table laid out as ``kernels/common.cuh`` describes; launches
+    of zero-length arrays only are left out."""
+    pointers_np = np.asarray(pointers, dtype=np.uint64).view(np.int64)
+    offsets_np = np.asarray(offsets, dtype=np.int64)
+    sizes_np = np.asarray(sizes, dtype=np.int64)
+    for first, stop, block_start in launch_plan(sizes):
+        grid = int(block_start[-1])
+        if grid == 0:
+            continue
+        yield stop - first, grid, np.concatenate((pointers_np[first:stop],
+                                                  offsets_np[first:stop], sizes_np[first:stop],
+                                                  block_start))
+
+
 def _launch(name: str, arrays: Sequence[Any], bucket: Any, offsets: List[int], sizes: List[int],
             array_dtype: str, scale: float, found_inf: Any) -> None:
     import cupy
 
     bucket_dtype = _dtype_name(bucket.dtype)
     kernel = _kernel(bucket.device.id, name, array_dtype, bucket_dtype)
-    pointers = np.array([array.data.ptr for array in arrays], dtype=np.uint64).view(np.int64)
-    offsets_np = np.asarray(offsets, dtype=np.int64)
-    sizes_np = np.asarray(sizes, dtype=np.int64)
+    pointers = [array.data.ptr for array in arrays]
     with bucket.device:  # every allocation and launch below on the bucket's GPU
         if found_inf is None and name == "bucket_unpack":
             flag, check = cupy.zeros(1, dtype=np.int32), 0  # never written (check == 0)
         else:
             flag, check = found_inf, 1
-        for first, stop, block_start in launch_plan(sizes):
-            grid = int(block_start[-1])
-            if grid == 0:
-                continue  # only zero-length arrays
-            table = cupy.asarray(np.concatenate((pointers[first:stop], offsets_np[first:stop],
-                                                 sizes_np[first:stop], block_start)))
-            args = [table, np.int32(stop - first), np.int64(TILE_ELEMS), bucket,
+        for n_arrays, grid, table in work_tables(pointers, offsets, sizes):
+            args = [cupy.asarray(table), np.int32(n_arrays), np.int64(TILE_ELEMS), bucket,
                     np.float64(scale)]
             if name == "bucket_unpack":
                 args += [np.int32(check), flag]
