@@ -283,7 +283,8 @@ def _template_name(name: str, array_dtype: str, bucket_dtype: str) -> str:
     return f"gpucoll_{name}<{_C_TYPES[src]}, {_C_TYPES[dst]}>"
 
 
-def compile_request(name: str, array_dtype: str, bucket_dtype: str) -> Tuple[str, Tuple[str, ...], str]:
+def compile_request(name: str, array_dtype: str,
+                    bucket_dtype: str) -> Tuple[str, Tuple[str, ...], str]:
     """What the loader hands ``cupy.RawModule`` for one kernel and dtype pair: ``(source,
     options, name expression)``. CuPy appends its own options (``-ftz=true`` among them) after
     these; the kernels keep subnormals regardless (see ``kernels/common.cuh``)."""

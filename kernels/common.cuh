@@ -22,9 +22,9 @@ namespace gpucoll {
 // compile to .ftz instructions and flush float32 / bfloat16 subnormals to zero. Written in PTX
 // without .ftz they keep subnormals whatever the flags (a test checks the PTX has no .ftz), and
 // mul.rn is never contracted into an FMA. The bit views are PTX moves so that the optimizer
-// cannot turn the integer tests on them back into (.ftz) float compares. The host build of these sources (the tests' kernel
-// emulation) defines GPUCOLL_HOST_EMULATION and brings C++ definitions of the same functions;
-// nvcc and NVRTC never see that macro.
+// cannot turn the integer tests on them back into (.ftz) float compares. The host build of
+// these sources (the tests' kernel emulation) defines GPUCOLL_HOST_EMULATION and brings C++
+// definitions of the same functions; nvcc and NVRTC never see that macro.
 #ifndef GPUCOLL_HOST_EMULATION
 __device__ __forceinline__ float mul_rn(float a, float b) {
   float r;

@@ -224,7 +224,7 @@ def test_barrier_waits_for_the_whole_block(host):
     assert status == 0, error
     index = np.arange(3 * 256)
     neighbour = index // 256 * 256 + (index % 256 + 1) % 256
-    np.testing.assert_array_equal(seen, neighbour + 1)  # written before the barrier by another thread
+    np.testing.assert_array_equal(seen, neighbour + 1)  # another thread's pre-barrier write
     np.testing.assert_array_equal(votes, 1)  # one vote in each block: the OR is 1 everywhere
     status, error, _, votes = host.barrier_test(2, 256, voter=1000)
     assert status == 0, error
@@ -253,8 +253,10 @@ def test_float32_narrows_as_numpy(host, wire):
     """Rounding to nearest even at every exponent that matters: half subnormals, the normal
     range, overflow to inf; ties, ties +- 1 ulp, random mantissas, both signs."""
     rng = np.random.default_rng(7)
-    exponents = np.arange(90, 160, dtype=np.uint32) if wire == "float16" else \
-        np.concatenate([np.arange(0, 8), np.arange(120, 135), np.arange(248, 256)]).astype(np.uint32)
+    if wire == "float16":
+        exponents = np.arange(90, 160, dtype=np.uint32)
+    else:
+        exponents = np.r_[0:8, 120:135, 248:256].astype(np.uint32)
     low = np.array([0, 1, 0x0fff, 0x1000, 0x1001, 0x1fff, 0x7fff, 0x8000, 0x8001, 0xffff],
                    np.uint32)
     mantissas = np.concatenate([rng.integers(0, 1 << 23, 300, dtype=np.uint32),

@@ -90,7 +90,9 @@ inline unsigned shift_rne(unsigned value, unsigned shift) {
 inline unsigned short f16_from_f32(float v) {
   const unsigned u = bits_of(v);
   const unsigned sign = (u >> 16) & 0x8000u, magnitude = u & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return static_cast<unsigned short>(sign | 0x7e00u | ((magnitude >> 13) & 0x1ffu));
+  if (magnitude > 0x7f800000u) {  // NaN: quiet, top payload bits kept
+    return static_cast<unsigned short>(sign | 0x7e00u | ((magnitude >> 13) & 0x1ffu));
+  }
   if (magnitude >= 0x477ff000u) return static_cast<unsigned short>(sign | 0x7c00u);  // >= 65520
   if (magnitude >= 0x38800000u) {                                                    // >= 2^-14
     const unsigned rebased = magnitude - (112u << 23);  // exponent bias 127 -> 15
