@@ -122,7 +122,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def copy(self) -> "ndarray":
         return self._emu._from_host(self._a, self._device_id)
 
-    def astype(self, dtype, copy=True) -> "ndarray":
+    def astype(self, dtype, *, copy=True) -> "ndarray":  # CuPy: (dtype, order, ..., copy)
         if not copy and np.dtype(dtype) == self.dtype:
             return self
         return self._emu._from_host(self._a.astype(dtype), self._device_id)
