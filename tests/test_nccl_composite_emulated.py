@@ -1,5 +1,5 @@
 """Object collectives, uneven gathers and world ranks on the NCCL backend, run against the
-emulation of CuPy and NCCL (tests/emulated_cuda.py; ranks are threads).
+emulation of CuPy and NCCL (tests/emulated_cuda/; ranks are threads).
 
 They are built on the public collectives in the base class; what is checked here is that they
 keep to device memory on the NCCL backend (internal buffers are CuPy arrays on the

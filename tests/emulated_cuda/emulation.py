@@ -72,7 +72,7 @@ class Emulation:
         runtime.setDevice = lambda device: device_t(device).use()
         # parameter names as CuPy's (tests/test_real_cupy.py holds them against the real ones)
         runtime.eventRecord = lambda event, stream: emu.event_record(event, stream)
-        runtime.eventQuery = emu.event_query
+        runtime.eventQuery = lambda event: emu.event_query(event)
         runtime.streamWaitEvent = lambda stream, event, flags=0: emu.stream_wait_event(stream,
                                                                                        event)
         runtime.memcpyAsync = emu.memcpy_async
