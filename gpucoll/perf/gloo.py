@@ -5,6 +5,8 @@ PyTorch is imported only when a run compares with Gloo; a CPU build is enough.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Optional
 
 import numpy as np
@@ -30,6 +32,8 @@ class GlooSide:
         self.torch, self.dist = torch, dist
         self.version = torch.__version__
         host = detect_environment().master_addr or "127.0.0.1"
+        if host == "127.0.0.1" and sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks of one host: loopback
         wait = datetime.timedelta(seconds=timeout)
         store = (dist.TCPStore(host, 0, comm.size, True, timeout=wait, wait_for_workers=False)
                  if comm.rank == 0 else None)

@@ -27,7 +27,9 @@ def require_matplotlib(flag: str = "--plot"):
 
 
 def size_label(nbytes: float) -> str:
-    """Axis label of a size: ``512 B``, ``4 KiB``, ``1.5 MiB``, ``2 GiB``."""
+    """Axis label of a size: ``512 B``, ``4 KiB``, ``1.5 MiB``, ``2 GiB`` (empty below 1 B)."""
+    if nbytes < 1:
+        return ""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
             value = nbytes / scale

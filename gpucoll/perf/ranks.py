@@ -126,7 +126,6 @@ def _spawn_all(opts: BenchOptions, reporter: Reporter) -> None:
         RuntimeError: a rank failed or died (with its traceback); every rank is stopped.
     """
     import multiprocessing
-    import queue
     import secrets
 
     from ..rendezvous import TCPStoreServer
@@ -140,6 +139,35 @@ def _spawn_all(opts: BenchOptions, reporter: Reporter) -> None:
     url = f"tcp://127.0.0.1:{server.port}"
     procs = [ctx.Process(target=_spawned_rank, args=(r, nranks, url, env, opts, events),
                          name=f"gpucoll-bench-rank{r}", daemon=True) for r in range(nranks)]
+    with _terminate_as_exit():
+        _relay(procs, events, reporter, server)
+
+
+@contextlib.contextmanager
+def _terminate_as_exit():
+    """SIGTERM raises SystemExit here, so the ranks are stopped as on Ctrl-C (main thread only)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _relay(procs, events, reporter: Reporter, server) -> None:
+    """Start the ranks and pass rank 0's events on; stop every rank on the way out."""
+    import queue
+
+    nranks = len(procs)
     try:
         for proc in procs:
             proc.start()
@@ -212,12 +240,13 @@ def measure(opts: BenchOptions, out=None, err=None) -> Reporter:
     if "sendrecv" in opts.collectives and (opts.nranks or 1) < 2 and len(opts.collectives) == 1:
         raise UsageError("sendrecv needs at least 2 ranks: pass -g 2 or more")
     reporter = Reporter(opts, out, err)
-    if opts.ceiling_bytes:
-        from .ceiling import raw_exchange
+    with _terminate_as_exit():
+        if opts.ceiling_bytes:
+            from .ceiling import raw_exchange
 
-        reporter.ceiling = raw_exchange(_ceiling_kinds(opts), opts.ceiling_bytes,
-                                        timeout=opts.timeout)
-    _spawn_all(opts, reporter)
+            reporter.ceiling = raw_exchange(_ceiling_kinds(opts), opts.ceiling_bytes,
+                                            timeout=opts.timeout)
+        _spawn_all(opts, reporter)
     return reporter
 
 
