@@ -179,3 +179,15 @@ def _running(pid):
     except OSError:
         os.kill(pid, 0)
         return True
+
+
+def test_transports_under_gpucoll_run(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run("-m", "gpucoll", "run", "-n", "2", "-m", "gpucoll", "bench", "all_gather", "-b",
+                "1K", "-e", "1K", "-n", "2", "-w", "0", "--transport", "unix,tcp", "--json",
+                str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["unix/out"]["wrong"] == 0 and row["tcp/out"]["wrong"] == 0
+    assert doc["machine"]["transports"]["tcp"].endswith("links: tcp")

@@ -1,7 +1,9 @@
 """Running the ranks of ``gpucoll bench``: spawn them, or be one of a launcher's.
 
-:func:`measure` either spawns the ranks itself (multiprocessing, spawn context) or, when a
-launcher (``gpucoll run``, torchrun, mpiexec, srun) started this process, runs as one of them.
+:func:`run_bench` (``gpucoll bench``) either spawns the ranks itself (multiprocessing, spawn
+context) or, when a launcher (``gpucoll run``, torchrun, mpiexec, srun) started this process,
+runs as one of them; :func:`measure` (what bench presets call) always spawns them and returns
+the reporter holding the rows. SIGTERM stops the spawned ranks as Ctrl-C does.
 With ``--transport`` each rank opens one communicator per GPUCOLL_TRANSPORT value, each through
 the same rendezvous (every ``gpucoll.init`` call there makes a new communicator).
 """
