@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
 
-    from gpucoll.transports.nccl import unavailable_reason
+    from gpucoll.cuda_env import nccl_unavailable_reason as unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

@@ -1,7 +1,7 @@
 """Host-side cost of one NCCL-backend ``all_reduce`` call, measurable without a GPU.
 
 Runs gpucoll's NCCL backend on the test suite's emulation of CuPy and NCCL
-(``tests/emulated_cuda.py``) with the NCCL call, the CUDA event and the stream lookup replaced
+(``tests/emulated_cuda/``) with the NCCL call, the CUDA event and the stream lookup replaced
 by no-ops, so what is timed is gpucoll's own Python per call: argument checks, dtype and op
 translation, sequence numbers, the watchdog record, the result hand-back. The emulated
 arrays' ``data``/``flags``/``device`` properties are Python here (Cython in CuPy), so this is
@@ -26,7 +26,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import emulated_cuda  # noqa: E402
 import gpucoll  # noqa: E402
 from gpucoll import api  # noqa: E402
-from gpucoll.transports import nccl as nccl_transport  # noqa: E402
+from gpucoll import cuda_env  # noqa: E402
 
 
 class _NoopComm:
@@ -50,8 +50,7 @@ class _DoneEvent:
 
 def main() -> int:
     emu = emulated_cuda.Emulation(device_count=1)
-    nccl_transport._LOADED = (emu.cupy, emu.nccl)
-    api._nccl_unavailable = lambda: None
+    cuda_env._LOADED = (emu.cupy, emu.nccl)
     store = tempfile.mkdtemp(prefix="gpucoll-host-")
     comm = gpucoll.init(backend="nccl", rank=0, world_size=1, url=f"file://{store}/s", timeout=60)
     x = emu.cupy.ones(2, dtype="float32")

@@ -13,12 +13,14 @@ Values are read at call time, so a test (or a launcher) can set a variable and t
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-__all__ = ["Setting", "SETTINGS", "get", "get_raw", "is_set", "unknown_names", "markdown_table"]
+__all__ = ["Setting", "SETTINGS", "parse_bytes", "set_default", "get", "get_raw", "is_set",
+           "unknown_names", "closest_name", "unknown_name_warnings", "markdown_table"]
 
 
 def _parse_bool(text: str) -> bool:
@@ -31,16 +33,23 @@ def _parse_bool(text: str) -> bool:
 
 
 def _parse_bytes(text: str) -> int:
-    """Parse '4194304', '4MiB', '256KiB', '1G' into a byte count."""
+    """Parse '4194304', '4MiB', '256KiB', '1G' into a byte count (binary multiples)."""
     units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
              "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-             "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+             "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+             "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
     stripped = text.strip().lower()
     number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = stripped[len(number):].strip()
     if unit not in units or not number:
         raise ValueError(f"expected a byte count such as 4194304, 256KiB or 4MiB, got {text!r}")
-    return int(float(number) * units[unit])
+    value = float(number) * units[unit]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+parse_bytes = _parse_bytes  # the one byte-count grammar (settings and command lines)
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -52,6 +61,17 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
     parse.__name__ = " / ".join(choices)
     return parse
+
+
+def _name(text: str) -> str:
+    """A lower-case name, checked by whoever owns the list of names (e.g. the backend registry)."""
+    value = text.strip().lower()
+    if not value:
+        raise ValueError("expected a name, got an empty value")
+    return value
+
+
+_name.__name__ = "name"
 
 
 @dataclass(frozen=True)
@@ -71,9 +91,10 @@ class Setting:
 
 
 _GPUCOLL = [
-    Setting("GPUCOLL_BACKEND", _choice("auto", "cpu", "nccl"), "auto",
+    Setting("GPUCOLL_BACKEND", _name, "auto",
             "Backend for `init()` when none is passed: `auto` picks NCCL when CuPy, NCCL and a GPU "
-            "are usable, else `cpu`."),
+            "are usable, else `cpu`; or the name of any registered backend (`cpu`, `nccl`, or "
+            "one added with `register_backend`)."),
     Setting("GPUCOLL_INIT_URL", str, "env://",
             "Rendezvous URL for `init()` when none is passed: `env://`, `tcp://host:port` or "
             "`file:///path`."),
@@ -110,6 +131,9 @@ _GPUCOLL = [
             "rank 0 does not start one."),
     Setting("GPUCOLL_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "Level of the `gpucoll` logger."),
+    Setting("GPUCOLL_QUIET", _parse_bool, False,
+            "Do not print the one line `init()` writes to stderr when it finds no launcher and "
+            "runs as a world of one (rank 0 of 1, CPU backend)."),
     Setting("GPUCOLL_DEVICE", int, None,
             "NCCL backend: the GPU this rank uses. Default: the local rank modulo the number of "
             "visible GPUs."),
@@ -144,13 +168,27 @@ _LAUNCHERS = [
     Setting("PMI_SIZE", int, None, "Number of ranks under MPICH (PMI).", "pmi"),
     Setting("MPI_LOCALRANKID", int, None, "Rank on this host under MPICH (Hydra).", "pmi"),
     Setting("MPI_LOCALNRANKS", int, None, "Ranks on this host under MPICH (Hydra).", "pmi"),
-    # NCCL's own variable, read (never set) to decide whether backend "auto" may put several
-    # local ranks on one GPU
+    # NCCL's own variables: NCCL_MULTI_RANK_GPU_ENABLE is read to decide whether backend "auto"
+    # may put several local ranks on one GPU; NCCL_RUNTIME_CONNECT is given a default
     Setting("NCCL_MULTI_RANK_GPU_ENABLE", _parse_bool, False,
             "NCCL >= 2.30: allow several ranks on one GPU (experimental).", "nccl"),
+    Setting("NCCL_RUNTIME_CONNECT", str, None,
+            "NCCL: `1` connects peers lazily inside the first call that needs them (NCCL's "
+            "default); `0` at communicator creation. The NCCL backend sets `0` when unset, so a "
+            "missing peer shows at `init()`, within the timeout.", "nccl"),
 ]
 
 SETTINGS: Dict[str, Setting] = {s.name: s for s in _GPUCOLL + _LAUNCHERS}
+
+
+def set_default(name: str, value: str) -> bool:
+    """Give a declared variable a value in this process's environment unless it is set, for
+    libraries that read it themselves (NCCL). Returns whether it was set now."""
+    _lookup(name)
+    if name in os.environ:
+        return False
+    os.environ[name] = str(value)
+    return True
 
 
 def _lookup(name: str) -> Setting:
@@ -193,6 +231,26 @@ def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[str]:
     """GPUCOLL_* variables in the environment that no setting declares (likely typos)."""
     env = os.environ if environ is None else environ
     return sorted(k for k in env if k.startswith("GPUCOLL_") and k not in SETTINGS)
+
+
+def closest_name(name: str) -> Optional[str]:
+    """The declared GPUCOLL_* setting ``name`` most likely misspells, or None."""
+    prefix = "GPUCOLL_"
+    suffixes = {s.name[len(prefix):]: s.name for s in _GPUCOLL}  # the shared prefix says nothing
+    typed = name[len(prefix):] if name.startswith(prefix) else name
+    found = difflib.get_close_matches(typed.upper(), list(suffixes), n=1, cutoff=0.6)
+    return suffixes[found[0]] if found else None
+
+
+def unknown_name_warnings(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """One message per unknown GPUCOLL_* variable, suggesting the closest real name."""
+    messages = []
+    for name in unknown_names(environ):
+        suggestion = closest_name(name)
+        hint = f"did you mean {suggestion}?" if suggestion else \
+            "`python -m gpucoll.config` lists the settings"
+        messages.append(f"unknown environment variable {name} (not a gpucoll setting; {hint})")
+    return messages
 
 
 def markdown_table() -> str:

@@ -39,6 +39,8 @@ there is a warning.
   ``numa_node``), ``peer_access`` (count x count booleans; true on the diagonal), ``errors``.
 - ``backend``: ``auto`` (``"nccl"`` or ``"cpu"``), ``reason``, ``configured`` (the value of
   ``GPUCOLL_BACKEND``), ``nccl_backend`` (``"available"`` or why gpucoll cannot offer it).
+- ``backends``: every registered backend's name -> ``status`` (``"available"`` or why not),
+  ``memory`` (``"host"`` / ``"cuda"``) and ``description``.
 - ``warnings`` (list of str) and ``fix`` (the pip commands, one per line, or null).
 
 Example::
@@ -54,252 +56,20 @@ import argparse
 import json
 import os
 import platform
-import re
 import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from . import __version__
+from .cuda_env import (classify_nccl_path, cuda_version_text, decode_nccl_version,
+                       gpu_inventory, gpu_unavailable_reason, installed_distributions,
+                       is_cupy_distribution, kernel_module_version, loaded_library,
+                       nccl_cuda_major, nccl_fix_hint, nccl_wheel_dirs, preload_config,
+                       version_tuple, wheel_clashes)
 
-__all__ = ["collect", "format_text", "main", "add_arguments", "decode_nccl_version",
-           "installed_distributions", "wheel_clashes", "nccl_fix_hint", "classify_nccl_path",
-           "loaded_library"]
+__all__ = ["collect", "format_text", "main", "add_arguments"]
 
-_DIST_PREFIXES = ("cupy", "nvidia-nccl-cu")
-_GPUCOLL_EXTRAS = (12, 13)  # CUDA majors with a gpucoll[cuNN] extra
 _NO_GPU_PREFIX = "No usable GPU: "
-
-
-# ---------------------------------------------------------------- pure helpers
-def decode_nccl_version(code: int) -> str:
-    """NCCL's integer version as ``major.minor.patch``.
-
-    From NCCL 2.9 on the code is ``major*10000 + minor*100 + patch`` (23203 -> ``"2.32.3"``);
-    before that ``major*1000 + minor*100 + patch`` (2708 -> ``"2.7.8"``).
-
-    Raises:
-        ValueError: ``code`` is not a positive integer.
-    """
-    code = int(code)
-    if code <= 0:
-        raise ValueError(f"not an NCCL version code: {code}")
-    if code >= 10000:
-        return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
-    return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
-
-
-def _cuda_version(code: int) -> str:
-    """CUDA's integer version (12090) as ``"12.9"``."""
-    return f"{code // 1000}.{code % 1000 // 10}"
-
-
-def _version_tuple(text: str) -> Tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
-
-
-def _normalize(name: str) -> str:
-    """PEP 503 name normalization: ``Cupy_CUDA12x`` -> ``cupy-cuda12x``."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _is_cupy(name: str) -> bool:
-    """Whether a distribution installs the ``cupy`` package (not a CuPy add-on)."""
-    return name == "cupy" or name.startswith(("cupy-cuda", "cupy-rocm"))
-
-
-def _cupy_cuda_major(name: str) -> Optional[int]:
-    """CUDA major of a CuPy wheel: ``cupy-cuda12x`` -> 12, ``cupy-cuda117`` -> 11."""
-    match = re.fullmatch(r"cupy-cuda(\d+)(x?)", name)
-    if not match:
-        return None
-    digits = match.group(1)
-    return int(digits) if match.group(2) else int(digits[:-1] or "0")
-
-
-def _nccl_cuda_major(name: str) -> Optional[int]:
-    """CUDA major of an NCCL wheel: ``nvidia-nccl-cu13`` -> 13."""
-    match = re.fullmatch(r"nvidia-nccl-cu(\d+)", name)
-    return int(match.group(1)) if match else None
-
-
-def _listed(dists: Dict[str, str], names: Sequence[str]) -> str:
-    return ", ".join(f"{name} {dists[name]}" for name in names)
-
-
-def wheel_clashes(dists: Dict[str, str]) -> List[str]:
-    """Clashes among the installed CuPy and NCCL wheels, in words, from ``dists`` alone.
-
-    Args:
-        dists: normalized distribution name -> version, as :func:`installed_distributions`.
-
-    Returns:
-        One message per problem: several CuPy distributions; several ``nvidia-nccl-cu*``
-        wheels (they install the same ``nvidia/nccl/lib/libnccl.so.2``); a ``cupy-cudaNNx``
-        whose matching ``nvidia-nccl-cuNN`` is missing while another one is installed.
-        Each names the pair to keep and the pip command. ``[]`` when nothing clashes.
-    """
-    cupys = sorted(name for name in dists if _is_cupy(name))
-    nccls = sorted(name for name in dists if _nccl_cuda_major(name) is not None)
-    cupy_majors = sorted({m for m in map(_cupy_cuda_major, cupys) if m is not None})
-    problems: List[str] = []
-    if len(cupys) > 1:
-        problems.append(
-            f"several CuPy distributions are installed ({_listed(dists, cupys)}); they install "
-            "the same cupy package over each other: keep one (see the fix below)")
-    if len(nccls) > 1:
-        message = (f"several NCCL wheels are installed ({_listed(dists, nccls)}); they install "
-                   "the same nvidia/nccl/lib/libnccl.so.2, so the last one installed wins")
-        if len(cupy_majors) == 1 and f"nvidia-nccl-cu{cupy_majors[0]}" in nccls:
-            keep = f"nvidia-nccl-cu{cupy_majors[0]}"
-            others = " ".join(name for name in nccls if name != keep)
-            message += (f"; cupy-cuda{cupy_majors[0]}x pairs with {keep}: "
-                        f"pip uninstall -y {others} && pip install --force-reinstall "
-                        f"--no-deps {keep}=={dists[keep]}")
-        else:
-            message += "; keep the one matching your CUDA driver's major version"
-        problems.append(message)
-    for name in cupys:
-        major = _cupy_cuda_major(name)
-        want = f"nvidia-nccl-cu{major}"
-        if major is None or not nccls or want in nccls:
-            continue
-        problems.append(
-            f"{name} (CUDA {major}) is installed with {_listed(dists, nccls)} only; it pairs "
-            f"with {want}: pip uninstall -y {' '.join(nccls)} && pip install {want}")
-    return problems
-
-
-def _target_major(dists: Dict[str, str], driver_cuda_major: Optional[int]) -> Optional[int]:
-    """The CUDA major whose gpucoll extra to install, or None when nothing tells."""
-    cupy_majors = sorted({m for m in map(_cupy_cuda_major, (n for n in dists if _is_cupy(n)))
-                          if m in _GPUCOLL_EXTRAS})
-    driver = None
-    if driver_cuda_major is not None and driver_cuda_major >= _GPUCOLL_EXTRAS[0]:
-        driver = min(driver_cuda_major, _GPUCOLL_EXTRAS[-1])
-    if driver is not None:
-        # The installed CuPy wheel wins unless the driver is too old to run it.
-        fitting = [m for m in cupy_majors if m <= driver]
-        return fitting[-1] if fitting else driver
-    if len(cupy_majors) == 1:
-        return cupy_majors[0]
-    nccl_majors = sorted({m for m in map(_nccl_cuda_major, dists) if m in _GPUCOLL_EXTRAS})
-    if len(cupy_majors) > 1:
-        both = [m for m in cupy_majors if m in nccl_majors]
-        return both[-1] if len(both) == 1 else None
-    return nccl_majors[0] if len(nccl_majors) == 1 else None
-
-
-def nccl_fix_hint(dists: Dict[str, str], driver_cuda_major: Optional[int] = None) -> str:
-    """The pip commands (one per line) that give a working NCCL backend.
-
-    The CUDA major comes from the installed ``cupy-cudaNNx`` wheel, or from the driver's CUDA
-    major when no CuPy wheel is installed (or the driver is too old for the installed one).
-    Clashing CuPy and NCCL wheels are uninstalled first; a kept wheel that shared files with
-    an uninstalled one is reinstalled (the uninstall deleted those files).
-
-    Args:
-        dists: normalized distribution name -> version, as :func:`installed_distributions`.
-        driver_cuda_major: the CUDA major the driver supports (12 for 12.x), when known.
-
-    Returns:
-        For example ``"pip install 'gpucoll[cu12]'"``, or several lines.
-    """
-    major = _target_major(dists, driver_cuda_major)
-    if major is None:
-        if driver_cuda_major is not None and 0 < driver_cuda_major < _GPUCOLL_EXTRAS[0]:
-            return (f"# the driver supports CUDA {driver_cuda_major} only; gpucoll's NCCL "
-                    "backend needs CUDA 12 or 13: update the NVIDIA driver, then\n"
-                    "pip install 'gpucoll[cu12]'")
-        return "pip install 'gpucoll[cu12]'  # or 'gpucoll[cu13]' with a CUDA 13 driver"
-    keep_cupy, keep_nccl = f"cupy-cuda{major}x", f"nvidia-nccl-cu{major}"
-    cupys = sorted(name for name in dists if _is_cupy(name))
-    nccls = sorted(name for name in dists if _nccl_cuda_major(name) is not None)
-    remove = ([name for name in cupys if name != keep_cupy]
-              + [name for name in nccls if name != keep_nccl])
-    lines: List[str] = []
-    if remove:
-        lines.append("pip uninstall -y " + " ".join(remove))
-        reinstall = [name for name, family in ((keep_cupy, cupys), (keep_nccl, nccls))
-                     if name in dists and len(family) > 1]
-        if reinstall:
-            pins = " ".join(f"{name}=={dists[name]}" for name in reinstall)
-            lines.append(f"pip install --force-reinstall --no-deps {pins}")
-    lines.append(f"pip install 'gpucoll[cu{major}]'")
-    return "\n".join(lines)
-
-
-def classify_nccl_path(path: str, wheel_dirs: List[str]) -> str:
-    """``"wheel"`` when ``path`` lies in one of ``wheel_dirs`` (the ``nvidia/nccl/lib``
-    directories of installed ``nvidia-nccl-cu*`` wheels), else ``"system"``."""
-    where = os.path.normpath(path)
-    for directory in wheel_dirs:
-        base = os.path.normpath(directory)
-        if where.startswith(base + os.sep):
-            return "wheel"
-    return "system"
-
-
-# ---------------------------------------------------------------- probes without CuPy
-def installed_distributions() -> Dict[str, str]:
-    """Installed distributions whose names start with ``cupy`` or ``nvidia-nccl-cu``.
-
-    Scans the ``*.dist-info`` / ``*.egg-info`` entries of ``sys.path`` (first one wins, as
-    for imports) and reads only the matching ones, so it takes milliseconds and imports
-    nothing.
-
-    Returns:
-        Normalized name (``cupy-cuda12x``, ``nvidia-nccl-cu12``) -> version.
-    """
-    from importlib.metadata import PathDistribution
-    from pathlib import Path
-
-    found: Dict[str, str] = {}
-    for entry in sys.path:
-        directory = entry or "."
-        try:
-            names = os.listdir(directory)
-        except OSError:  # a zip file, or gone
-            continue
-        for name in names:
-            stem, _, suffix = name.rpartition(".")
-            if suffix not in ("dist-info", "egg-info"):
-                continue
-            if not _normalize(stem).startswith(_DIST_PREFIXES):
-                continue
-            try:
-                dist = PathDistribution(Path(directory, name))
-                dist_name, version = dist.metadata["Name"], dist.version
-            except Exception:  # unreadable metadata: not an installed distribution
-                continue
-            if not dist_name or not version:
-                continue
-            normalized = _normalize(dist_name)
-            if normalized.startswith(_DIST_PREFIXES):
-                found.setdefault(normalized, version)
-    return found
-
-
-def loaded_library(prefix: str) -> Optional[str]:
-    """Path of the first file mapped into this process whose name starts with ``prefix``.
-
-    Reads ``/proc/self/maps`` (Linux). Returns None when no such file is mapped or the maps
-    cannot be read.
-    """
-    try:
-        with open("/proc/self/maps") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split(None, 5)
-        if len(fields) < 6:
-            continue
-        path = fields[5].strip()
-        if path.endswith(" (deleted)"):
-            path = path[:-len(" (deleted)")]
-        if path.startswith("/") and os.path.basename(path).startswith(prefix):
-            return path
-    return None
 
 
 def _describe(exc: BaseException) -> str:
@@ -316,41 +86,13 @@ def _attempt(errors: List[str], what: str, probe: Callable[[], Any], default: An
         return default
 
 
-def _kernel_module_version() -> Optional[str]:
-    """The NVIDIA kernel module's version from /proc/driver/nvidia/version, or None."""
-    try:
-        with open("/proc/driver/nvidia/version") as handle:
-            first = handle.readline().strip()
-    except OSError:
-        return None
-    match = re.search(r"Kernel Module\s+(\S+)", first)
-    return match.group(1) if match else first or None
-
-
-def _nccl_wheel_dirs(names: Sequence[str]) -> List[str]:
-    """The directories holding ``libnccl.so*`` of the given installed NCCL wheels."""
-    from importlib.metadata import distribution
-
-    dirs: List[str] = []
-    for name in names:
-        dist = distribution(name)
-        files = [f for f in (dist.files or []) if f.name.startswith("libnccl.so")]
-        located = ([str(dist.locate_file(f).parent) for f in files]
-                   or [str(dist.locate_file("nvidia/nccl/lib"))])
-        for directory in located:
-            real = os.path.realpath(directory)
-            if real not in dirs:
-                dirs.append(real)
-    return dirs
-
-
 # ---------------------------------------------------------------- the report
 def _cupy_section(dists: Dict[str, str]) -> Tuple[Dict[str, Any], Any, Dict[str, Any]]:
     """The ``cupy`` section, the imported module (None when it does not import) and CuPy's
     preload config (``{}`` when it has none)."""
     section: Dict[str, Any] = {
-        "installed": any(_is_cupy(name) for name in dists), "importable": False,
-        "version": None, "distributions": {n: v for n, v in dists.items() if _is_cupy(n)},
+        "installed": any(is_cupy_distribution(name) for name in dists), "importable": False,
+        "version": None, "distributions": {n: v for n, v in dists.items() if is_cupy_distribution(n)},
         "cuda": None, "packaging": None, "errors": []}
     module = None
     with warnings.catch_warnings(record=True) as caught:
@@ -364,23 +106,15 @@ def _cupy_section(dists: Dict[str, str]) -> Tuple[Dict[str, Any], Any, Dict[str,
         return section, None, {}
     section["importable"] = True
     section["version"] = str(getattr(module, "__version__", None))
-    config = _attempt(section["errors"], "CuPy preload config", _preload_config, {})
+    config = _attempt(section["errors"], "CuPy preload config", preload_config, {})
     section["cuda"], section["packaging"] = config.get("cuda"), config.get("packaging")
     return section, module, config
-
-
-def _preload_config() -> Dict[str, Any]:
-    from cupy import _environment
-
-    config = _environment.get_preload_config() if hasattr(
-        _environment, "get_preload_config") else None
-    return config if isinstance(config, dict) else {}
 
 
 def _cuda_section(cupy: Any) -> Dict[str, Any]:
     section: Dict[str, Any] = {
         "runtime_version": None, "runtime_version_code": None, "driver_version": None,
-        "driver_version_code": None, "kernel_module_version": _kernel_module_version(),
+        "driver_version_code": None, "kernel_module_version": kernel_module_version(),
         "errors": []}
     if cupy is None:
         return section
@@ -392,19 +126,19 @@ def _cuda_section(cupy: Any) -> Dict[str, Any]:
     code = _attempt(errors, "runtimeGetVersion", runtime.runtimeGetVersion)
     if code:
         section["runtime_version_code"] = int(code)
-        section["runtime_version"] = _cuda_version(int(code))
+        section["runtime_version"] = cuda_version_text(int(code))
     code = _attempt(errors, "driverGetVersion (no CUDA driver)", runtime.driverGetVersion)
     if code is not None:
         section["driver_version_code"] = int(code)
         if code:
-            section["driver_version"] = _cuda_version(int(code))
+            section["driver_version"] = cuda_version_text(int(code))
         else:
             errors.append("driverGetVersion returned 0: no CUDA driver (libcuda.so.1) found")
     return section
 
 
 def _nccl_section(cupy: Any, dists: Dict[str, str], preload: Dict[str, Any]) -> Dict[str, Any]:
-    wheels = {name: dists[name] for name in sorted(dists) if _nccl_cuda_major(name) is not None}
+    wheels = {name: dists[name] for name in sorted(dists) if nccl_cuda_major(name) is not None}
     floor = preload.get("nccl") if isinstance(preload.get("nccl"), dict) else {}
     section: Dict[str, Any] = {
         "available": False, "version": None, "version_code": None, "build_version": None,
@@ -412,7 +146,7 @@ def _nccl_section(cupy: Any, dists: Dict[str, str], preload: Dict[str, Any]) -> 
         "library": None, "source": None, "wheels": wheels, "wheel_dirs": [], "errors": []}
     errors = section["errors"]
     section["wheel_dirs"] = _attempt(errors, "locating the NCCL wheels' files",
-                                     lambda: _nccl_wheel_dirs(list(wheels)), [])
+                                     lambda: nccl_wheel_dirs(list(wheels)), [])
     nccl = None
     if cupy is None:
         errors.append("CuPy is not importable, so CuPy's NCCL is not either")
@@ -451,9 +185,7 @@ def _nccl_section(cupy: Any, dists: Dict[str, str], preload: Dict[str, Any]) -> 
 
 
 def _gpu_section(cupy: Any) -> Dict[str, Any]:
-    from . import topo
-
-    reason = topo.gpu_unavailable_reason()
+    reason = gpu_unavailable_reason()
     section: Dict[str, Any] = {"available": reason is None, "unavailable_reason": reason,
                                "count": 0, "devices": [], "peer_access": [], "errors": []}
     if reason is not None:
@@ -463,7 +195,7 @@ def _gpu_section(cupy: Any) -> Dict[str, Any]:
     count = _attempt(errors, "getDeviceCount", runtime.getDeviceCount, 0)
     section["count"] = int(count)
     keys = ("index", "name", "memory_bytes", "pci_bus_id", "compute_capability", "numa_node")
-    devices = _attempt(errors, "device properties", lambda: topo._gpu_devices(cupy), [])
+    devices = _attempt(errors, "device properties", lambda: gpu_inventory(cupy), [])
     section["devices"] = [{key: device.get(key) for key in keys} for device in devices]
 
     def can_access(i: int, j: int) -> bool:
@@ -477,7 +209,7 @@ def _gpu_section(cupy: Any) -> Dict[str, Any]:
 
 def _backend_section(report: Dict[str, Any]) -> Dict[str, Any]:
     from . import config
-    from .api import available_backends
+    from .backends.registry import available_backends, resolve_backend
 
     section: Dict[str, Any] = {"auto": "cpu", "reason": "", "configured": None,
                                "nccl_backend": None}
@@ -505,7 +237,23 @@ def _backend_section(report: Dict[str, Any]) -> Dict[str, Any]:
         section["auto"] = "nccl"
         section["reason"] = (f"CuPy {cupy['version']}, NCCL {nccl['version']} and "
                              f"{gpus['count']} GPU(s) are usable")
+    try:
+        chosen = resolve_backend("auto")
+    except Exception as exc:
+        chosen, section["reason"] = section["auto"], f"{section['reason']}; auto failed: {_describe(exc)}"
+    if chosen not in ("cpu", "nccl"):  # a registered backend ranks above both
+        section["auto"] = chosen
+        section["reason"] = f"backend {chosen!r} is registered with a higher auto priority and is usable"
     return section
+
+
+def _backends_section() -> Dict[str, Any]:
+    """Every registered backend: whether it can run here, its memory and description."""
+    from .backends.registry import available_backends, backend_names, get_backend
+
+    status = available_backends()
+    return {name: {"status": status[name], "memory": get_backend(name).memory,
+                   "description": get_backend(name).description} for name in backend_names()}
 
 
 def _major(version: Optional[str]) -> Optional[int]:
@@ -534,7 +282,7 @@ def _warnings(report: Dict[str, Any]) -> Tuple[List[str], bool]:
                      f"installed wheel ({', '.join(nccl['wheels'])}); check LD_LIBRARY_PATH and "
                      "LD_PRELOAD")
     if nccl["version"] and nccl["min_version"]:
-        if _version_tuple(nccl["version"]) < _version_tuple(str(nccl["min_version"])):
+        if version_tuple(nccl["version"]) < version_tuple(str(nccl["min_version"])):
             found.append(f"the loaded NCCL {nccl['version']} is older than CuPy's floor "
                          f"{nccl['min_version']}")
             needs_fix = True
@@ -587,6 +335,8 @@ def collect() -> Dict[str, Any]:
         "available": False, "unavailable_reason": f"the GPU probe failed ({gpu_errors[0]})",
         "count": 0, "devices": [], "peer_access": [], "errors": gpu_errors}
     report["backend"] = _backend_section(report)
+    backend_errors: List[str] = []
+    report["backends"] = _attempt(backend_errors, "backend registry", _backends_section, {})
     report["warnings"], needs_fix = _warnings(report)
     report["fix"] = (nccl_fix_hint(dists, _major(report["cuda"]["driver_version"]))
                      if needs_fix else None)
@@ -674,6 +424,9 @@ def format_text(report: Dict[str, Any]) -> str:
     lines.append(label("Backend") + f"auto -> {backend['auto']}: {reason}"
                  + (f" (GPUCOLL_BACKEND={backend['configured']})"
                     if backend["configured"] not in (None, "auto") else ""))
+    for name, entry in report.get("backends", {}).items():
+        state = "available" if entry["status"] == "available" else "unavailable"
+        lines.append(f"  {name:<8} {entry['memory']:<5} {state}: {entry['description']}")
 
     if report["warnings"]:
         lines.append(f"Warnings ({len(report['warnings'])}):")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
 from . import config
+from .cliutil import UsageError
 from .errors import StoreError
 
 __all__ = [
@@ -64,10 +65,6 @@ _REAP_TIMEOUT = 5.0  # seconds to wait for SIGKILLed ranks to be reaped
 _READER_JOIN_TIMEOUT = 2.0  # seconds to wait for a rank's pipes to drain once it is gone
 _POLL_INTERVAL = 0.1  # longest time a signal or the timeout waits to be noticed
 _STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
-
-
-class UsageError(ValueError):
-    """The launch request is invalid; raised before anything is started."""
 
 
 @dataclass

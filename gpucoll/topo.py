@@ -28,37 +28,20 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from . import cliutil
+from .cliutil import UsageError
+from .cuda_env import gpu_inventory, gpu_unavailable_reason
+
 __all__ = ["UsageError", "parse_size", "gpu_unavailable_reason", "host_report", "gpu_report",
            "report", "format_report", "main"]
 
 
-class UsageError(ValueError):
-    """A bad ``gpucoll topo`` argument (the CLI exits 2)."""
-
-
 def parse_size(text: str) -> int:
-    from .perf import UsageError as BenchUsageError, parse_size as bench_parse_size
-
-    try:
-        size = bench_parse_size(text)
-    except BenchUsageError as exc:
-        raise UsageError(str(exc)) from None
+    """``--size``: a byte count of at least 4 KiB."""
+    size = cliutil.parse_size(text)
     if size < 4096:
         raise UsageError(f"--size must be at least 4K, got {text}")
     return size
-
-
-def gpu_unavailable_reason() -> Optional[str]:
-    """None when CuPy sees a CUDA device; otherwise why not, in words."""
-    try:
-        import cupy
-    except Exception as exc:  # ImportError, or a CUDA install CuPy cannot load
-        return f"CuPy is not importable ({type(exc).__name__}: {exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return f"no usable CUDA device ({type(exc).__name__}: {exc})"
-    return None if count > 0 else "CUDA reports no device"
 
 
 # ---------------------------------------------------------------- host
@@ -204,21 +187,15 @@ def host_report(nbytes: int = 64 << 20, quick: bool = False) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------- GPUs (CuPy, NVML)
-_GTS_TO_GEN = {"2.5": 1, "5": 2, "5.0": 2, "8": 3, "8.0": 3, "16": 4, "16.0": 4, "32": 5,
-               "32.0": 5, "64": 6, "64.0": 6}
+#: NVML's nvmlNvlinkVersion_t (what nvmlDeviceGetNvLinkVersion returns) -> NVLink version:
+#: A100 links report 4 (NVLink 3.0), H100 6 (NVLink 4.0), B200 7 (NVLink 5.0).
+NVLINK_VERSIONS = {1: "1.0", 2: "2.0", 3: "2.2", 4: "3.0", 5: "3.1", 6: "4.0", 7: "5.0",
+                   8: "6.0"}
 
 
-def _sysfs_pci(bus_id: str) -> Dict[str, Any]:
-    """NUMA node and PCIe link of a PCI device from sysfs (Linux)."""
-    base = f"/sys/bus/pci/devices/{bus_id.lower()}"
-    if not os.path.isdir(base) and bus_id.count(":") == 2 and len(bus_id.split(":")[0]) == 8:
-        base = f"/sys/bus/pci/devices/{bus_id.lower()[4:]}"  # NVML's 8-digit domain
-    numa = _read(f"{base}/numa_node")
-    speed = _read(f"{base}/current_link_speed") or ""
-    width = _read(f"{base}/current_link_width")
-    gts = speed.split()[0] if speed else ""
-    return {"numa_node": int(numa) if numa not in (None, "") and int(numa) >= 0 else None,
-            "pcie_gen": _GTS_TO_GEN.get(gts), "pcie_width": int(width) if width and width.isdigit() else None}
+def nvlink_version_name(nvml_enum: int) -> str:
+    """The NVLink version ("4.0") of NVML's version enum (6), or what NVML said if unknown."""
+    return NVLINK_VERSIONS.get(int(nvml_enum), f"unknown (NVML version enum {nvml_enum})")
 
 
 def _nvml_links(bus_id: str) -> Dict[str, Any]:
@@ -247,25 +224,19 @@ def _nvml_links(bus_id: str) -> Dict[str, Any]:
             except pynvml.NVMLError:
                 break
         out["nvlink_count"] = links
-        out["nvlink_version"] = max(versions) if versions else None
+        out["nvlink_version"] = nvlink_version_name(max(versions)) if versions else None
+        out["nvlink_nvml_enum"] = max(versions) if versions else None
         return out
     except Exception as exc:  # NVML missing from the driver, or no permission
         return {"nvml": f"NVML unavailable ({type(exc).__name__}: {exc})"}
 
 
 def _gpu_devices(cupy) -> List[Dict[str, Any]]:
-    runtime = cupy.cuda.runtime
-    devices = []
-    for index in range(runtime.getDeviceCount()):
-        props = runtime.getDeviceProperties(index)
-        bus_id = runtime.deviceGetPCIBusId(index)
-        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        entry = {"index": index, "name": name, "pci_bus_id": bus_id,
-                 "memory_bytes": int(props["totalGlobalMem"]),
-                 "compute_capability": f"{props['major']}.{props['minor']}"}
-        entry.update(_sysfs_pci(bus_id))
-        entry.update({k: v for k, v in _nvml_links(bus_id).items() if v is not None or k not in entry})
-        devices.append(entry)
+    """``cuda_env.gpu_inventory`` with NVLink and PCIe details from NVML where it has them."""
+    devices = gpu_inventory(cupy)
+    for entry in devices:
+        links = _nvml_links(entry["pci_bus_id"])
+        entry.update({k: v for k, v in links.items() if v is not None or k not in entry})
     return devices
 
 
@@ -375,7 +346,7 @@ def format_report(doc: Dict[str, Any]) -> str:
         gpu = doc["gpu"]
         lines.append(f"# {len(gpu['devices'])} GPU(s)")
         for d in gpu["devices"]:
-            nvlink = (f"NVLink {d['nvlink_count']} link(s) v{d['nvlink_version']}"
+            nvlink = (f"NVLink {d['nvlink_version']}, {d['nvlink_count']} link(s)"
                       if d.get("nvlink_count") else f"NVLink: {'none' if 'nvlink_count' in d else d.get('nvml')}")
             lines.append(f"GPU {d['index']}: {d['name']}  bus {d['pci_bus_id']}  NUMA {d['numa_node']}  "
                          f"{d['memory_bytes'] / 2**30:.1f} GiB  cc {d['compute_capability']}  "
@@ -407,12 +378,7 @@ def format_report(doc: Dict[str, Any]) -> str:
 
 def write_plot(path: str, doc: Dict[str, Any]) -> None:
     """Heat map of the GPU-to-GPU bandwidth matrix; bar chart of the host figures without a GPU."""
-    from .perf import UsageError as BenchUsageError, require_matplotlib
-
-    try:
-        plt = require_matplotlib()
-    except BenchUsageError as exc:
-        raise UsageError(str(exc)) from None
+    plt = cliutil.require_matplotlib()
     figure, axes = plt.subplots(figsize=(7, 5))
     if doc["gpu_available"]:
         matrix = np.array(doc["gpu"]["p2p_bandwidth_gbps"])
@@ -440,12 +406,7 @@ def main(json_path: Optional[str] = None, plot_path: Optional[str] = None,
     """Print the report (and write ``--json`` / ``--plot``). Returns 0, also without a GPU."""
     out = out or sys.stdout
     if plot_path:
-        from .perf import UsageError as BenchUsageError, require_matplotlib
-
-        try:
-            require_matplotlib()
-        except BenchUsageError as exc:
-            raise UsageError(str(exc)) from None
+        cliutil.require_matplotlib()
     doc = report(min(size, 8 << 20) if quick else size, quick)
     out.write(format_report(doc) + "\n")
     out.flush()

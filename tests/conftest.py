@@ -12,7 +12,7 @@ def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
-    from gpucoll.topo import gpu_unavailable_reason
+    from gpucoll.cuda_env import gpu_unavailable_reason
 
     reason = gpu_unavailable_reason()
     if reason:

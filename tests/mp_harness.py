@@ -1,6 +1,6 @@
 """Multi-process test harness: real processes, real sockets on loopback, hard timeouts.
 
-* ``RankPool(world_size)`` keeps ``world_size`` rank processes alive, each with one
+* ``RankPool(world_size, backend="cpu")`` keeps ``world_size`` rank processes alive, each with one
   communicator, and runs a module-level function ``fn(comm, *args)`` on every rank per call, so
   a sweep of hundreds of cases costs one process start per world size.
 * ``run_ranks(fn, world_size, ...)`` starts fresh processes for one call; use it for tests
@@ -32,7 +32,7 @@ class RankFailure(AssertionError):
 
 
 def _worker(rank: int, size: int, url: Optional[str], env: Dict[str, str], tasks, results,
-            do_init: bool, hang_timeout: float) -> None:
+            do_init: bool, hang_timeout: float, backend: str = "cpu") -> None:
     os.environ.update(env)
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
@@ -42,7 +42,7 @@ def _worker(rank: int, size: int, url: Optional[str], env: Dict[str, str], tasks
         if do_init:
             import gpucoll
 
-            comm = gpucoll.init(backend="cpu", rank=rank, world_size=size, url=url,
+            comm = gpucoll.init(backend=backend, rank=rank, world_size=size, url=url,
                                 timeout=float(env.get("GPUCOLL_TIMEOUT", "30")))
         results.put(("ready", rank, None))
     except BaseException:
@@ -79,10 +79,12 @@ class RankPool:
     """``world_size`` live rank processes with a communicator each (see module doc)."""
 
     def __init__(self, world_size: int, env: Optional[Dict[str, str]] = None,
-                 timeout: float = 60.0, do_init: bool = True, serve_store: bool = True):
+                 timeout: float = 60.0, do_init: bool = True, serve_store: bool = True,
+                 backend: str = "cpu"):
         from gpucoll.rendezvous import TCPStoreServer
 
         self.world_size = world_size
+        self.backend = backend
         self.token = secrets.token_hex(8)
         self.server = TCPStoreServer("127.0.0.1", 0, token=self.token) if serve_store else None
         port = self.server.port if self.server else _free_port()
@@ -97,7 +99,7 @@ class RankPool:
         self.procs = [
             _CTX.Process(target=_worker, daemon=True,
                          args=(r, world_size, self.url, child_env, self.tasks[r], self.results,
-                               do_init, timeout))
+                               do_init, timeout, backend))
             for r in range(world_size)]
         for proc in self.procs:
             proc.start()
@@ -160,18 +162,19 @@ class RankPool:
 
 def run_ranks(fn: Callable, world_size: int, *args, env: Optional[Dict[str, str]] = None,
               timeout: float = 60.0, init: bool = True, serve_store: bool = True,
-              ranks: Optional[List[int]] = None) -> List[Any]:
+              ranks: Optional[List[int]] = None, backend: str = "cpu") -> List[Any]:
     """Run ``fn`` once in fresh processes and return per-rank results.
 
     With ``init=True`` ranks call ``fn(comm, *args)``; with ``init=False`` they call
     ``fn(rank, world_size, url, *args)`` and set up (or fail to set up) gpucoll themselves.
     ``ranks`` lists the ranks expected to answer (default all); others may die on purpose.
+    ``backend`` is what ``init=True`` ranks pass to ``gpucoll.init``.
     """
     pool = RankPool(world_size, env=env, timeout=timeout, do_init=False, serve_store=serve_store)
     try:
         if init:
             for q in pool.tasks:
-                q.put((_init_then, (fn,) + args))
+                q.put((_init_then, (backend, fn) + args))
         else:
             for q in pool.tasks:
                 q.put((fn, args))
@@ -182,10 +185,10 @@ def run_ranks(fn: Callable, world_size: int, *args, env: Optional[Dict[str, str]
         pool.kill()
 
 
-def _init_then(rank: int, size: int, url: str, fn: Callable, *args) -> Any:
+def _init_then(rank: int, size: int, url: str, backend: str, fn: Callable, *args) -> Any:
     import gpucoll
 
-    comm = gpucoll.init(backend="cpu", rank=rank, world_size=size, url=url)
+    comm = gpucoll.init(backend=backend, rank=rank, world_size=size, url=url)
     try:
         return fn(comm, *args)
     finally:

@@ -1,8 +1,11 @@
-"""Every collective of the CPU backend against a NumPy reference, in real processes.
+"""The conformance suite: every collective against a NumPy reference, on every backend.
 
-World sizes 1, 2, 3 and 4; counts 0, 1, a prime and a multi-chunk size (beyond the ring
-threshold and the pipelining chunk); every root; in place and ``out=``; every op and dtype
-family. Ranks return their outputs; the test recomputes the expected ones with NumPy.
+One body of tests runs on each cluster of ``clusters.py``: the CPU backend over Unix and TCP
+sockets in real processes (world sizes 1-4 and 2-3), the NCCL backend over the CUDA emulation
+(1-3 ranks as threads) and on a real GPU when there is one. Counts 0, 1, a prime and a
+multi-chunk size (beyond the ring threshold and the pipelining chunk); every root; in place
+and ``out=``; every op and dtype family the backend reduces. Ranks return their outputs (as
+NumPy); the test recomputes the expected ones with NumPy.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from clusters import CLUSTERS, cluster_id, cluster_marks, make_cluster
 from mp_harness import RankPool
 from reference import ALL_DTYPES, OPS, assert_equal_result, make_input, op_valid, reduce_reference
 
@@ -19,55 +23,61 @@ COUNTS = [0, 1, 13, 100_003]
 BIG = 100_003
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=cluster_marks(c)) for c in CLUSTERS],
+                ids=cluster_id)
 def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
+    cluster = make_cluster(*request.param)
+    yield cluster
+    cluster.close()
+
+
+def _host_only(pool):
+    if pool.kind != "numpy":
+        pytest.skip(f"{pool.name}: the emulation runs a lone NCCL send synchronously, so a ring of "
+                    f"sends cannot be emulated; NCCL point-to-point is tested in test_nccl_emulated")
 
 
 # ---------------------------------------------------------------- rank-side functions
-def rank_all_reduce(comm, cases):
+def rank_all_reduce(comm, arr, cases):
     out = {}
     for case_id, shape, dtype, op, mode in cases:
-        x = make_input(case_id, comm.rank, shape, dtype, op)
+        keep = make_input(case_id, comm.rank, shape, dtype, op)
+        x = arr.dev(keep.copy())
         if mode == "inplace":
             result = comm.all_reduce(x, op=op)
             assert result is x
         else:
-            keep = x.copy()
-            target = np.full(shape, 77, dtype=dtype)
+            target = arr.dev(np.full(shape, 77, dtype=dtype))
             result = comm.all_reduce(x, op=op, out=target)
             assert result is target
-            np.testing.assert_array_equal(x, keep)  # input untouched out of place
-        out[case_id] = result
+            np.testing.assert_array_equal(arr.host(x), keep)  # input untouched out of place
+        out[case_id] = arr.host(result)
     return out
 
 
-def rank_rooted(comm, name, cases):
+def rank_rooted(comm, arr, name, cases):
     out = {}
     for case_id, shape, dtype, op, root, mode in cases:
-        x = make_input(case_id, comm.rank, shape, dtype, op)
-        keep = x.copy()
+        keep = make_input(case_id, comm.rank, shape, dtype, op)
         if name == "broadcast":
-            if comm.rank != root:
-                x[...] = 0 if dtype != "bool" else False
+            x = arr.dev(keep if comm.rank == root else np.zeros_like(keep))
             result = comm.broadcast(x, root=root)
             assert result is x
         elif name == "reduce":
-            target = np.zeros(shape, dtype) if mode == "out" else None
+            x = arr.dev(keep.copy())
+            target = arr.zeros(shape, dtype) if mode == "out" else None
             result = comm.reduce(x, root=root, op=op, out=target)
             if comm.rank != root:
                 assert result is None
-                np.testing.assert_array_equal(x, keep)  # non-roots keep their input
+                np.testing.assert_array_equal(arr.host(x), keep)  # non-roots keep their input
             elif mode == "out":
                 assert result is target
-                np.testing.assert_array_equal(x, keep)
+                np.testing.assert_array_equal(arr.host(x), keep)
             else:
                 assert result is x
         elif name == "gather":
-            target = np.zeros((comm.size,) + tuple(shape), dtype) if mode == "out" else None
-            result = comm.gather(x, root=root, out=target)
+            target = arr.zeros((comm.size,) + tuple(shape), dtype) if mode == "out" else None
+            result = comm.gather(arr.dev(keep), root=root, out=target)
             if comm.rank != root:
                 assert result is None
             elif mode == "out":
@@ -75,39 +85,46 @@ def rank_rooted(comm, name, cases):
         elif name == "scatter":
             full = np.stack([make_input(case_id, r, shape, dtype, op) for r in range(comm.size)])
             if comm.rank == root:
-                target = np.zeros(shape, dtype) if mode == "out" else None
-                result = comm.scatter(full, root=root, out=target)
+                target = arr.zeros(shape, dtype) if mode == "out" else None
+                result = comm.scatter(arr.dev(full), root=root, out=target)
             else:  # non-roots pass only the chunk buffer
-                result = comm.scatter(None, root=root, out=np.zeros(shape, dtype))
+                result = comm.scatter(None, root=root, out=arr.zeros(shape, dtype))
             assert result.shape == tuple(shape)
-        out[case_id] = result
+        out[case_id] = arr.host(result)
     return out
 
 
-def rank_gather_like(comm, name, cases):
+def rank_gather_like(comm, arr, name, cases):
     out = {}
     for case_id, shape, dtype, op, mode in cases:
         if name == "all_gather":
-            x = make_input(case_id, comm.rank, shape, dtype, op)
-            target = np.zeros((comm.size,) + tuple(shape), dtype) if mode == "out" else None
+            x = arr.dev(make_input(case_id, comm.rank, shape, dtype, op))
+            target = arr.zeros((comm.size,) + tuple(shape), dtype) if mode == "out" else None
             result = comm.all_gather(x, out=target)
         elif name == "reduce_scatter":
-            x = make_input(case_id, comm.rank, (comm.size,) + tuple(shape), dtype, op)
-            keep = x.copy()
-            target = np.zeros(shape, dtype) if mode == "out" else None
+            keep = make_input(case_id, comm.rank, (comm.size,) + tuple(shape), dtype, op)
+            x = arr.dev(keep.copy())
+            target = arr.zeros(shape, dtype) if mode == "out" else None
             result = comm.reduce_scatter(x, op=op, out=target)
-            np.testing.assert_array_equal(x, keep)
+            np.testing.assert_array_equal(arr.host(x), keep)
         else:  # all_to_all
-            x = make_input(case_id, comm.rank, (comm.size,) + tuple(shape), dtype, op)
-            target = np.zeros((comm.size,) + tuple(shape), dtype) if mode == "out" else None
+            x = arr.dev(make_input(case_id, comm.rank, (comm.size,) + tuple(shape), dtype, op))
+            target = arr.zeros((comm.size,) + tuple(shape), dtype) if mode == "out" else None
             result = comm.all_to_all(x, out=target)
         if target is not None:
             assert result is target
-        out[case_id] = result
+        out[case_id] = arr.host(result)
     return out
 
 
 # ---------------------------------------------------------------- helpers
+def _numpy(comm, fn, *args):
+    """For the socket-level tests that run on a plain RankPool: ``fn`` with NumPy arrays."""
+    from clusters import Arrays
+
+    return fn(comm, Arrays("numpy"), *args)
+
+
 def _check(results, expected_of, cases, op_index=3):
     for rank, by_case in enumerate(results):
         for case in cases:
@@ -128,7 +145,7 @@ def test_all_reduce_every_op_and_dtype(pool):
     cases, case_id = [], 1000
     for dtype in ALL_DTYPES:
         for op in OPS:
-            if not op_valid(op, dtype):
+            if not op_valid(op, dtype) or not pool.reduces(op, dtype):
                 continue
             for count in (0, 1, 13):
                 case_id += 1
@@ -149,6 +166,7 @@ def test_all_reduce_large_multi_chunk(pool):
                                      ("complex64", "prod")]):
         cases.append((2000 + i, (BIG,), dtype, op, "inplace" if i % 2 else "out"))
     cases.append((2100, (317, 331), "float32", "sum", "inplace"))  # 2-D, 420 KB
+    cases = [case for case in cases if pool.reduces(case[3], case[2])]
     results = pool.run(rank_all_reduce, cases)
     _check(results, lambda c, r: reduce_reference(_stack(c[0], pool.world_size, c[1], c[2], c[3]),
                                                   c[3]), cases)
@@ -164,7 +182,7 @@ def test_all_reduce_forced_algorithms():
         try:
             cases = [(3000 + c, (c,), "float32", "sum", "inplace") for c in (0, 1, 13, BIG)]
             cases += [(3100 + c, (c,), "int16", "max", "out") for c in (2, 7, BIG)]
-            results = pool.run(rank_all_reduce, cases)
+            results = pool.run(_numpy, rank_all_reduce, cases)
             _check(results, lambda c, r: reduce_reference(_stack(c[0], 3, c[1], c[2], c[3]), c[3]),
                    cases)
         finally:
@@ -181,7 +199,7 @@ def test_bandwidth_algorithms_over_sockets():
             for name in ("broadcast", "reduce"):
                 cases = [(8000 + 10 * root + i, (count,), "float64", "sum", root, "out")
                          for root in range(n) for i, count in enumerate((0, 1, 13, 1001))]
-                results = pool.run(rank_rooted, name, cases)
+                results = pool.run(_numpy, rank_rooted, name, cases)
                 for rank, by_case in enumerate(results):
                     for case_id, shape, dtype, op, root, _ in cases:
                         if name == "broadcast":
@@ -194,7 +212,7 @@ def test_bandwidth_algorithms_over_sockets():
                         assert_equal_result(by_case[case_id], expected, f"{name} {case_id}")
             cases = [(8500 + c, (c,), "int32", "sum", "out") for c in (0, 1, 13, 1001)]
             for name in ("all_gather", "reduce_scatter"):
-                results = pool.run(rank_gather_like, name, cases)
+                results = pool.run(_numpy, rank_gather_like, name, cases)
                 for rank, by_case in enumerate(results):
                     for case_id, shape, dtype, op, _ in cases:
                         if name == "all_gather":
@@ -222,6 +240,7 @@ def test_rooted_collectives_every_root(pool, name):
     if name == "reduce":
         cases += [(4900 + i, (13,), "int32", op, i % n, "out") for i, op in
                   enumerate(["prod", "min", "avg", "band", "bor", "bxor"])]
+        cases = [case for case in cases if pool.reduces(case[3], case[2])]
     results = pool.run(rank_rooted, name, cases)
 
     def expected(case, rank):
@@ -248,6 +267,8 @@ def test_gather_like_collectives(pool, name):
             for op in (["sum", "max", "bxor", "avg"] if name == "reduce_scatter" else ["sum"]):
                 if not op_valid(op, dtype) or (count > 13 and dtype != "float32"):
                     continue
+                if name == "reduce_scatter" and not pool.reduces(op, dtype):
+                    continue
                 case_id += 1
                 shape = (count,) if case_id % 2 else (1, count)
                 cases.append((case_id, shape, dtype, op, "out" if case_id % 3 else "new"))
@@ -265,7 +286,7 @@ def test_gather_like_collectives(pool, name):
     _check(results, expected, cases)
 
 
-def rank_p2p(comm, count):
+def rank_p2p(comm, arr, count):
     n, r = comm.size, comm.rank
     if n == 1:
         return None
@@ -299,6 +320,7 @@ def rank_p2p(comm, count):
 
 
 def test_point_to_point_ring(pool):
+    _host_only(pool)
     n = pool.world_size
     results = pool.run(rank_p2p, 300_007)
     if n == 1:
@@ -310,21 +332,24 @@ def test_point_to_point_ring(pool):
         assert order == [0, 1, 2, 3]
 
 
-def rank_async_and_barrier(comm):
-    xs = [make_input(7000 + i, comm.rank, (1000 * (i + 1),), "float32") for i in range(3)]
+def rank_async_and_barrier(comm, arr):
+    xs = [arr.dev(make_input(7000 + i, comm.rank, (1000 * (i + 1),), "float32")) for i in range(3)]
     works = [comm.all_reduce(x, async_op=True) for x in xs]
-    y = make_input(7100, comm.rank, (5,), "int32")
+    y = arr.dev(make_input(7100, comm.rank, (5,), "int32"))
     comm.all_reduce(y, op="max")  # blocking op issued after async ones: runs after them
     for work in works:
         assert work.wait(timeout=30)
+        work.synchronize()  # the host waits too (on a GPU, wait() only orders the stream)
         assert work.is_completed()
     results = [work.result() for work in works]
     for x, result in zip(xs, results):
         assert result is x
     comm.barrier(timeout=10)
-    b = make_input(7200, 0, (4,), "float64") if comm.rank == 0 else np.zeros(4)
-    comm.broadcast(b, async_op=True).wait()
-    return xs, y, b
+    b = arr.dev(make_input(7200, 0, (4,), "float64") if comm.rank == 0 else np.zeros(4))
+    work = comm.broadcast(b, async_op=True)
+    work.wait()
+    work.synchronize()
+    return [arr.host(x) for x in xs], arr.host(y), arr.host(b)
 
 
 def test_async_ops_and_barrier(pool):
@@ -338,19 +363,19 @@ def test_async_ops_and_barrier(pool):
         assert_equal_result(b, make_input(7200, 0, (4,), "float64"), "broadcast")
 
 
-def rank_split(comm):
+def rank_split(comm, arr):
     evens = comm.new_group([r for r in range(comm.size) if r % 2 == 0])
     info = {"world": (comm.rank, comm.size)}
     if evens is not None:
-        x = np.array([comm.rank], np.int64)
+        x = arr.dev(np.array([comm.rank], np.int64))
         evens.all_reduce(x)
-        info["evens"] = (evens.rank, evens.size, int(x[0]))
+        info["evens"] = (evens.rank, evens.size, int(arr.host(x)[0]))
         evens.close()
     else:
         info["evens"] = None
     halves = comm.split(color=comm.rank % 2, key=-comm.rank)  # reversed order inside each half
-    y = np.array([comm.rank], np.int64)
-    gathered = halves.all_gather(y)
+    y = arr.dev(np.array([comm.rank], np.int64))
+    gathered = arr.host(halves.all_gather(y))
     info["halves"] = (halves.rank, halves.size, gathered.ravel().tolist())
     halves.close()
     none = comm.split(color=None if comm.rank == 0 else 1)
@@ -358,9 +383,9 @@ def rank_split(comm):
     if none is not None:
         none.close()
     # the parent still works after its children are gone
-    z = np.ones(2)
+    z = arr.dev(np.ones(2))
     comm.all_reduce(z)
-    info["after"] = z.tolist()
+    info["after"] = arr.host(z).tolist()
     return info
 
 
@@ -377,3 +402,23 @@ def test_split_and_new_group(pool):
         assert info["halves"] == (half.index(r), len(half), half)
         assert info["none"] == (None if r == 0 else n - 1)
         assert info["after"] == [float(n)] * 2
+
+
+def rank_split_bad_input(comm, arr):
+    for kwargs, error, text in (({"color": 2**31}, ValueError, "color=2147483648 is too large"),
+                                ({"color": 0, "key": 2**31}, ValueError, "key=2147483648 is out"),
+                                ({"color": 0, "key": -2**31 - 1}, ValueError, "is out of range"),
+                                ({"color": "x"}, TypeError, "color must be an int"),
+                                ({"color": 0, "key": 1.5}, TypeError, "key must be an int")):
+        with pytest.raises(error, match=text):
+            comm.split(**kwargs)
+    # nothing was sent: the extremes that fit, then the communicator, still work
+    part = comm.split(color=2**31 - 1, key=-2**31)
+    x = arr.dev(np.ones(3))
+    part.all_reduce(x)
+    part.close()
+    return arr.host(x).tolist()
+
+
+def test_split_refuses_colors_and_keys_out_of_range(pool):
+    assert pool.run(rank_split_bad_input) == [[float(pool.world_size)] * 3] * pool.world_size

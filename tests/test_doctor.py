@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from gpucoll import __version__, doctor
-from gpucoll.doctor import (classify_nccl_path, decode_nccl_version, installed_distributions,
+from gpucoll.cuda_env import (classify_nccl_path, decode_nccl_version, installed_distributions,
                             loaded_library, nccl_fix_hint, wheel_clashes)
 from gpucoll.topo import gpu_unavailable_reason
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
 
 TOP_KEYS = {"gpucoll_version", "python", "platform", "distributions", "cupy", "cuda", "nccl",
-            "gpus", "backend", "warnings", "fix"}
+            "gpus", "backend", "backends", "warnings", "fix"}
 SECTION_KEYS = {
     "python": {"version", "implementation", "executable"},
     "cupy": {"installed", "importable", "version", "distributions", "cuda", "packaging",
@@ -236,7 +236,7 @@ def test_a_cupy_that_fails_to_import_is_reported_not_raised(tmp_path: Path):
 def test_importing_doctor_does_not_import_cupy(tmp_path: Path):
     _write_fake_cupy(tmp_path, broken=True)  # importing it would raise
     code = ("import sys, gpucoll.doctor, gpucoll.cli; gpucoll.cli.build_parser(); "
-            "gpucoll.doctor.installed_distributions(); "
+            "gpucoll.cuda_env.installed_distributions(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cupy'))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,

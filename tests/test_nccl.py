@@ -14,10 +14,11 @@ from gpucoll import api
 from gpucoll.backends import signature
 from gpucoll.errors import BackendUnavailableError, CollectiveMismatchError
 from gpucoll.rendezvous import FileStore
-from gpucoll.transports import nccl as nt
+from gpucoll import cuda_env
+from gpucoll.backends import builtin, nccl_runtime, watchdog
 from gpucoll.types import ReduceOp
 
-NCCL_REASON = nt.unavailable_reason()
+NCCL_REASON = cuda_env.nccl_unavailable_reason()
 
 
 # ---------------------------------------------------------------- backend choice
@@ -48,11 +49,11 @@ def test_auto_picks_nccl_when_usable():
 
 
 def test_missing_cupy_names_the_pip_extra(monkeypatch):
-    monkeypatch.setattr(nt, "_LOADED", None)
+    monkeypatch.setattr(cuda_env, "_LOADED", None)
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
     with pytest.raises(BackendUnavailableError, match=r"CuPy.*pip install 'gpucoll\[cu1[23]\]'"):
-        nt.load()
-    reason = nt.unavailable_reason()
+        cuda_env.load()
+    reason = cuda_env.nccl_unavailable_reason()
     assert reason is not None and "gpucoll[cu1" in reason
     with pytest.raises(BackendUnavailableError, match="cannot run here: backend 'nccl' needs CuPy"):
         api.resolve_backend("nccl")
@@ -62,32 +63,32 @@ def test_missing_cupy_names_the_pip_extra(monkeypatch):
 def test_clashing_nccl_wheels_are_named_in_the_fix(monkeypatch):
     from gpucoll import doctor
 
-    monkeypatch.setattr(nt, "_LOADED", None)
+    monkeypatch.setattr(cuda_env, "_LOADED", None)
     monkeypatch.setitem(sys.modules, "cupy", None)
-    monkeypatch.setattr(doctor, "installed_distributions", lambda: {
+    monkeypatch.setattr(cuda_env, "installed_distributions", lambda: {
         "cupy-cuda12x": "14.2.0", "nvidia-nccl-cu12": "2.32.3", "nvidia-nccl-cu13": "2.32.3"})
     with pytest.raises(BackendUnavailableError, match="nvidia-nccl-cu13"):
-        nt.load()
+        cuda_env.load()
 
 
 def test_auto_needs_a_gpu_per_local_rank_unless_nccl_may_share(monkeypatch):
-    monkeypatch.setattr(api, "_nccl_unavailable", lambda: None)  # as on a 1-GPU machine
-    monkeypatch.setattr(nt, "device_count", lambda: 1)
-    monkeypatch.setattr(nt, "nccl_version_code", lambda: 22903)
+    monkeypatch.setattr(cuda_env, "nccl_unavailable_reason", lambda: None)  # as on a 1-GPU machine
+    monkeypatch.setattr(cuda_env, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda_env, "nccl_version_code", lambda: 22903)
     monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
     assert api.resolve_backend("auto", local_size=1) == "nccl"
     assert api.resolve_backend("auto", local_size=None) == "nccl"
     assert api.resolve_backend("auto", local_size=2) == "cpu"
-    assert "2 ranks on this host share 1 GPU(s)" in api._shared_gpu_reason(2)
+    assert "2 ranks on this host share 1 GPU(s)" in builtin.shared_gpu_reason(2)
     monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     assert api.resolve_backend("auto", local_size=2) == "cpu"  # NCCL 2.29 cannot share
-    monkeypatch.setattr(nt, "nccl_version_code", lambda: 23000)
+    monkeypatch.setattr(cuda_env, "nccl_version_code", lambda: 23000)
     assert api.resolve_backend("auto", local_size=2) == "nccl"
     assert api.resolve_backend("nccl", local_size=4) == "nccl"  # asked for explicitly
 
 
 def test_device_is_for_the_nccl_backend_only():
-    with pytest.raises(ValueError, match=r"init\(device=1\) applies to the nccl backend"):
+    with pytest.raises(ValueError, match=r"init\(device=1\) applies to backend\(s\) nccl, not 'cpu'"):
         gpucoll.init(backend="cpu", rank=0, world_size=1, url="tcp://127.0.0.1:1", device=1)
 
 
@@ -107,28 +108,28 @@ class _FakeNcclModule:
 
 def test_dtype_table_covers_what_nccl_reduces():
     mod = _FakeNcclModule
-    assert [nt.nccl_dtype(mod, n) for n in ("int8", "uint8", "int32", "uint32", "int64",
+    assert [nccl_runtime.nccl_dtype(mod, n) for n in ("int8", "uint8", "int32", "uint32", "int64",
                                             "uint64", "float16", "float32", "float64",
                                             "bfloat16")] == list(range(10))
-    assert "int16" not in nt.REDUCIBLE and "bool" not in nt.REDUCIBLE
-    assert {op: nt.nccl_op(mod, op) for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX,
+    assert "int16" not in nccl_runtime.REDUCIBLE and "bool" not in nccl_runtime.REDUCIBLE
+    assert {op: nccl_runtime.nccl_op(mod, op) for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX,
                                                ReduceOp.MIN, ReduceOp.AVG)} == \
         {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
     for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
         with pytest.raises(TypeError, match=f"op {op.value} is not supported by NCCL"):
-            nt.nccl_op(mod, op)
+            nccl_runtime.nccl_op(mod, op)
 
 
 # ---------------------------------------------------------------- progress in the store
 def test_ranks_behind_reads_published_progress(tmp_path):
     store = FileStore(tmp_path / "store", timeout=5)
-    nt.publish_progress(store, 0, 7)
-    nt.publish_progress(store, 2, 6)
-    nt.publish_progress(store, 3, 9)
+    nccl_runtime.publish_progress(store, 0, 7)
+    nccl_runtime.publish_progress(store, 2, 6)
+    nccl_runtime.publish_progress(store, 3, 9)
     # rank 1 never published (never issued a collective), rank 2 stopped at 6
-    assert nt.ranks_behind(store, 4, 0, 7) == [1, 2]
-    assert nt.ranks_behind(store, 4, 3, 6) == [1]
-    assert nt.ranks_behind(store, 4, 0, 1) == [1]
+    assert nccl_runtime.ranks_behind(store, 4, 0, 7) == [1, 2]
+    assert nccl_runtime.ranks_behind(store, 4, 3, 6) == [1]
+    assert nccl_runtime.ranks_behind(store, 4, 0, 1) == [1]
 
 
 def test_ranks_behind_without_a_store_is_none():
@@ -136,7 +137,7 @@ def test_ranks_behind_without_a_store_is_none():
         def missing(self, keys):
             raise OSError("store gone")
 
-    assert nt.ranks_behind(Broken(), 2, 0, 1) is None
+    assert nccl_runtime.ranks_behind(Broken(), 2, 0, 1) is None
 
 
 # ---------------------------------------------------------------- watchdog
@@ -164,7 +165,7 @@ class _Item:
         return self.finished.is_set()
 
     def pending(self, op, seq, deadline, **kw):
-        return nt.Pending(op, seq, deadline, self, pool=_Pool(self.released), **kw)
+        return watchdog.Pending(op, seq, deadline, self, pool=_Pool(self.released), **kw)
 
 
 def _watchdog(**kw):
@@ -179,7 +180,7 @@ def _watchdog(**kw):
     options = dict(check_error=lambda: None, on_failure=on_failure, publish=published.append,
                    interval=0.01)
     options.update(kw)
-    return nt.Watchdog(0, **options), failures, published, fired
+    return watchdog.Watchdog(0, **options), failures, published, fired
 
 
 def test_watchdog_retires_completed_work_and_publishes_progress():

@@ -50,12 +50,13 @@ def test_bandwidth_from_time():
 
 
 @pytest.mark.parametrize("text, value", [("8", 8), ("1K", 1024), ("64M", 64 << 20), ("1g", 1 << 30),
-                                         ("4KB", 4096), ("2MiB", 2 << 20)])
+                                         ("4KB", 4096), ("2MiB", 2 << 20), ("1.5M", 3 << 19),
+                                         ("1T", 1 << 40), ("256KiB", 256 << 10)])
 def test_parse_size(text, value):
     assert perf.parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "1X", "-8", "1.5M", "M"])
+@pytest.mark.parametrize("text", ["", "1X", "-8", "1.3", "M"])
 def test_parse_size_rejects(text):
     with pytest.raises(perf.UsageError, match="bad size"):
         perf.parse_size(text)
@@ -239,7 +240,7 @@ def test_rank_failure_is_reported(tmp_path):
     (["-b", "1X"], "bad size"),
     (["-b", "64M", "-e", "8"], "bad size range"),
     (["-o", "band", "-d", "float"], "band"),
-    (["-d", "bfloat16"], "unknown data type"),
+    (["-d", "bfloat8"], "unknown data type"),
     (["-o", "mean"], "unknown reduction op"),
     (["-n", "0"], "-n must be"),
     (["-g", "2", "-r", "2"], "out of range"),

@@ -14,6 +14,7 @@ from gpucoll import auth
 from gpucoll.errors import CollectiveMismatchError, CommTimeoutError, PeerError
 from gpucoll.rendezvous import PrefixStore, TCPStore, TCPStoreServer
 from gpucoll.transports.base import Frame, Recv
+from gpucoll.transports.select import plan_links
 from gpucoll.transports.socket import SocketTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,8 +33,8 @@ def _mesh(size, mode="auto", chunk_bytes=256 << 10, before=None, timeout=10.0):
     def connect(rank):
         try:
             transports[rank] = SocketTransport.connect(
-                stores[rank], rank, size, comm_id="mesh", token=TOKEN, timeout=timeout, mode=mode,
-                chunk_bytes=chunk_bytes)
+                stores[rank], rank, size, comm_id="mesh", token=TOKEN, timeout=timeout,
+                links=plan_links(mode, rank, ["this-host"] * size), chunk_bytes=chunk_bytes)
         except BaseException as exc:
             errors[rank] = exc
 
@@ -190,7 +191,8 @@ def test_missing_rank_named_at_connect():
     store = TCPStore("127.0.0.1", server.port, token=TOKEN, timeout=5)
     try:
         with pytest.raises(CommTimeoutError, match=r"rank\(s\) \[1, 2\] of 3 did not join"):
-            SocketTransport.connect(store, 0, 3, comm_id="x", token=TOKEN, timeout=0.5)
+            SocketTransport.connect(store, 0, 3, comm_id="x", token=TOKEN, timeout=0.5,
+                                    links=plan_links("auto", 0, ["this-host"] * 3))
     finally:
         store.close()
         server.close()

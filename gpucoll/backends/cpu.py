@@ -1,4 +1,5 @@
-"""CPU backend: NumPy arrays, collectives run by ``gpucoll.algorithms`` over the socket transport.
+"""CPU backend: NumPy arrays, collectives run by ``gpucoll.algorithms`` over the transport that
+``gpucoll.transports.select`` picks for each peer.
 
 Ordering: every operation takes its place in a per-channel queue (one channel per peer and
 direction) when it is *issued*, in program order, and touches the wire only when it is first
@@ -29,7 +30,8 @@ from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutErro
                       PeerError)
 from ..rendezvous.store import PrefixStore, Store
 from ..transports.base import Frame, Recv
-from ..transports.socket import SocketTransport
+from ..rendezvous import hosts
+from ..transports import select as select_transport
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
 from ..work import Work
 from . import signature
@@ -42,13 +44,23 @@ def _flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1)
 
 
+def _selection_bytes(name: str, send, result, size: int) -> int:
+    """The message size ``algorithms.select`` decides by: the whole (size, *chunk) buffer for
+    the gathers and scatter, else the input (or, without one, the output)."""
+    if name in ("all_gather", "gather"):
+        return send.nbytes * size
+    if name == "scatter":
+        return result.nbytes * size
+    return (send if send is not None else result).nbytes
+
+
 class CPUCommunicator(Communicator):
     """Communicator over NumPy arrays (CuPy arrays are staged through the host)."""
 
     backend = "cpu"
 
     def __init__(self, store: Store, rank: int, size: int, *, comm_id: str, token: str,
-                 timeout: float, transport_mode: str = "auto", advertise_host: str = "127.0.0.1",
+                 timeout: float, transport: str = "auto", advertise_host: str = "127.0.0.1",
                  socket_buffer: int = 0, chunk_bytes: int = 256 << 10,
                  ring_threshold: int = 256 << 10, algorithm_override: Optional[dict] = None,
                  debug: bool = False, owns_store: bool = True):
@@ -60,20 +72,20 @@ class CPUCommunicator(Communicator):
         self._owns_store = owns_store
         self._store = PrefixStore(comm_id, store)
         self._token = token
-        self._settings = dict(transport_mode=transport_mode, advertise_host=advertise_host,
+        self._settings = dict(transport=transport, advertise_host=advertise_host,
                               socket_buffer=socket_buffer, chunk_bytes=chunk_bytes,
                               ring_threshold=ring_threshold, algorithm_override=algorithm_override,
                               debug=debug)
         self._ring_threshold = ring_threshold
         self._override = algorithm_override or {}
         self._debug = debug
-        self._transport = SocketTransport.connect(
-            self._store, rank, size, comm_id=comm_id, token=token, timeout=self.timeout,
-            mode=transport_mode, advertise_host=advertise_host, buffer_bytes=socket_buffer,
-            chunk_bytes=chunk_bytes)
-        host_ids = self._host_ids()
-        self.local_rank = sum(1 for r in range(rank) if host_ids[r] == host_ids[rank])
-        self.local_size = sum(1 for h in host_ids if h == host_ids[rank])
+        deadline = time.monotonic() + self.timeout
+        host_ids = hosts.exchange_host_ids(self._store, rank, size, self.timeout)
+        self.local_rank, self.local_size = hosts.local_rank(host_ids, rank)
+        self._transport = select_transport.connect(
+            self._store, rank, size, host_ids=host_ids, mode=transport, comm_id=comm_id,
+            token=token, timeout=max(deadline - time.monotonic(), 0.001),
+            advertise_host=advertise_host, buffer_bytes=socket_buffer, chunk_bytes=chunk_bytes)
         self._order = OpOrder(rank, size)
         self._seq = 0
         self._seq_lock = threading.Lock()
@@ -81,14 +93,6 @@ class CPUCommunicator(Communicator):
         self._splits = 0
         self._aborted: Optional[str] = None
         self._closed = False
-
-    def _host_ids(self) -> List[str]:
-        import json
-
-        if self.size == 1:
-            return [""]
-        return [json.loads(self._store.get(f"addr/{r}", self.timeout))["host_id"]
-                for r in range(self.size)]
 
     @property
     def transport_kinds(self) -> Dict[int, str]:
@@ -137,7 +141,7 @@ class CPUCommunicator(Communicator):
                 raise CommTimeoutError(
                     f"rank {self.rank}: {name} #{seq} could not start within {limit:g} s: earlier "
                     f"operations on this communicator did not finish",
-                    rank=self.rank, op=name, seq=seq)
+                    rank=self.rank, op=name, seq=seq, limit=limit)
             self._check_alive()
             return body(time.monotonic() + limit)
         except GpucollError as exc:
@@ -147,6 +151,8 @@ class CPUCommunicator(Communicator):
                 raise CommAbortedError(
                     f"rank {self.rank}: {name} #{seq} failed because the communicator was "
                     f"aborted ({self._aborted})") from exc
+            if isinstance(exc, CommTimeoutError):
+                exc.add_limit(limit)
             self._abort_with(str(exc))
             raise self._explain(exc)
         finally:
@@ -202,174 +208,98 @@ class CPUCommunicator(Communicator):
             raise error
 
     # ------------------------------------------------------------------ collectives
-    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+    def _collective(self, name: str, src: Optional[Staged], dst: Optional[Staged], *,
+                    op: Optional[ReduceOp] = None, root: Optional[int] = None,
+                    in_place: bool = False, async_op: bool = False):
+        """The skeleton every collective shares, run in issue order.
+
+        Debug signature check, then the algorithm that ``algorithms.select`` picks for the
+        message (or the one-rank copy), AVG's division, and the copy back into a staged
+        device array. Algorithms take ``(transport, *buffers, [root], [combine], frame,
+        deadline)``: one buffer when ``in_place`` (all_reduce, broadcast: ``dst`` is
+        reduced or overwritten where it lies, after ``src`` is copied into it), else
+        ``(send, result)`` where either may be None on ranks that have no such buffer.
+        """
         seq = self._next_seq()
-        src, dst = Staged(x, stream), (Staged(out, stream) if out is not None else None)
-        target = dst if dst is not None else src
+        signed = dst if name == "scatter" else src  # what GPUCOLL_DEBUG compares
 
         def body(deadline: float):
-            self._debug_check("all_reduce", seq, deadline, src.host.dtype, src.host.shape, op)
-            if target is not src:
-                np.copyto(target.host, src.host)
-            flat = _flat(target.host)
-            if self.size > 1:
-                fn = self._algorithm("all_reduce", flat.nbytes, flat.itemsize)
-                fn(self._transport, flat, combine_fn(op, flat.dtype),
-                   self._frame("all_reduce", seq, flat.dtype), deadline)
-            if op is ReduceOp.AVG:
-                finish_avg(flat, self.size)
-            target.write_back()
-            return target.caller
-
-        return self._submit("all_reduce", seq, self._order.all_channels, body, async_op)
-
-    def _broadcast(self, x, root: int, async_op: bool, stream=None):
-        seq = self._next_seq()
-        buf = Staged(x, stream)
-
-        def body(deadline: float):
-            self._debug_check("broadcast", seq, deadline, buf.host.dtype, buf.host.shape, root=root)
-            flat = _flat(buf.host)
-            if self.size > 1:
-                fn = self._algorithm("broadcast", flat.nbytes, flat.itemsize)
-                fn(self._transport, flat, root, self._frame("broadcast", seq, flat.dtype), deadline)
-            if self.rank != root:
-                buf.write_back()
-            return buf.caller
-
-        return self._submit("broadcast", seq, self._order.all_channels, body, async_op)
-
-    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None):
-        seq = self._next_seq()
-        src = Staged(x, stream)
-        dst = Staged(out, stream) if out is not None else (src if self.rank == root else None)
-
-        def body(deadline: float):
-            self._debug_check("reduce", seq, deadline, src.host.dtype, src.host.shape, op, root)
-            send = _flat(src.host)
+            self._debug_check(name, seq, deadline, signed.host.dtype, signed.host.shape, op,
+                              -1 if root is None else root)
+            send = _flat(src.host) if src is not None else None
             result = _flat(dst.host) if dst is not None else None
+            if in_place and dst is not src:
+                np.copyto(result, send)
             if self.size > 1:
-                fn = self._algorithm("reduce", send.nbytes, send.itemsize)
-                fn(self._transport, send, result, root, combine_fn(op, send.dtype),
-                   self._frame("reduce", seq, send.dtype), deadline)
-            elif result is not None and result is not send:
+                buffers = (result,) if in_place else (send, result)
+                sample = send if send is not None else result
+                fn = self._algorithm(name, _selection_bytes(name, send, result, self.size),
+                                     sample.itemsize)
+                extra = (() if root is None else (root,)) + (
+                    () if op is None else (combine_fn(op, sample.dtype),))
+                fn(self._transport, *buffers, *extra, self._frame(name, seq, sample.dtype),
+                   deadline)
+            elif not in_place and result is not None and result is not send:
                 np.copyto(result, send)
             if dst is None:
                 return None
             if op is ReduceOp.AVG:
                 finish_avg(result, self.size)
-            dst.write_back()
+            if not (name == "broadcast" and self.rank == root):
+                dst.write_back()
             return dst.caller
 
-        return self._submit("reduce", seq, self._order.all_channels, body, async_op)
+        return self._submit(name, seq, self._order.all_channels, body, async_op)
+
+    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        src = Staged(x, stream)
+        dst = Staged(out, stream) if out is not None else src
+        return self._collective("all_reduce", src, dst, op=op, in_place=True, async_op=async_op)
+
+    def _broadcast(self, x, root: int, async_op: bool, stream=None):
+        buf = Staged(x, stream)
+        return self._collective("broadcast", buf, buf, root=root, in_place=True,
+                                async_op=async_op)
+
+    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None):
+        src = Staged(x, stream)
+        dst = Staged(out, stream) if out is not None else (src if self.rank == root else None)
+        return self._collective("reduce", src, dst, op=op, root=root, async_op=async_op)
 
     def _all_gather(self, x, out, async_op: bool, stream=None):
-        seq = self._next_seq()
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else Staged.empty(
             (self.size,) + src.host.shape, src.host.dtype, like=src, stream=stream)
-
-        def body(deadline: float):
-            self._debug_check("all_gather", seq, deadline, src.host.dtype, src.host.shape)
-            send, result = _flat(src.host), _flat(dst.host)
-            if self.size > 1:
-                fn = self._algorithm("all_gather", send.nbytes * self.size, send.itemsize)
-                fn(self._transport, send, result, self._frame("all_gather", seq, send.dtype), deadline)
-            else:
-                np.copyto(result, send)
-            dst.write_back()
-            return dst.caller
-
-        return self._submit("all_gather", seq, self._order.all_channels, body, async_op)
+        return self._collective("all_gather", src, dst, async_op=async_op)
 
     def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        seq = self._next_seq()
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else Staged.empty(
             src.host.shape[1:], src.host.dtype, like=src, stream=stream)
-
-        def body(deadline: float):
-            self._debug_check("reduce_scatter", seq, deadline, src.host.dtype, src.host.shape, op)
-            send, result = _flat(src.host), _flat(dst.host)
-            if self.size > 1:
-                fn = self._algorithm("reduce_scatter", send.nbytes, send.itemsize)
-                fn(self._transport, send, result, combine_fn(op, send.dtype),
-                   self._frame("reduce_scatter", seq, send.dtype), deadline)
-            else:
-                np.copyto(result, send)
-            if op is ReduceOp.AVG:
-                finish_avg(result, self.size)
-            dst.write_back()
-            return dst.caller
-
-        return self._submit("reduce_scatter", seq, self._order.all_channels, body, async_op)
+        return self._collective("reduce_scatter", src, dst, op=op, async_op=async_op)
 
     def _gather(self, x, root: int, out, stream=None):
-        seq = self._next_seq()
         src = Staged(x, stream)
         dst = None
         if self.rank == root:
             dst = Staged(out, stream) if out is not None else Staged.empty(
                 (self.size,) + src.host.shape, src.host.dtype, like=src, stream=stream)
-
-        def body(deadline: float):
-            self._debug_check("gather", seq, deadline, src.host.dtype, src.host.shape, root=root)
-            send = _flat(src.host)
-            result = _flat(dst.host) if dst is not None else None
-            if self.size > 1:
-                fn = self._algorithm("gather", send.nbytes * self.size, send.itemsize)
-                fn(self._transport, send, result, root, self._frame("gather", seq, send.dtype), deadline)
-            else:
-                np.copyto(result, send)
-            if dst is None:
-                return None
-            dst.write_back()
-            return dst.caller
-
-        return self._submit("gather", seq, self._order.all_channels, body, False)
+        return self._collective("gather", src, dst, root=root)
 
     def _scatter(self, x, root: int, out, template, stream=None):
-        seq = self._next_seq()
         src = Staged(x, stream) if self.rank == root else None
         if out is not None:
             dst = Staged(out, stream)
         else:
             chunk, dtype = template
             dst = Staged.empty(chunk, dtype, like=src, stream=stream)
-
-        def body(deadline: float):
-            self._debug_check("scatter", seq, deadline, dst.host.dtype, dst.host.shape, root=root)
-            result = _flat(dst.host)
-            send = _flat(src.host) if src is not None else None
-            if self.size > 1:
-                fn = self._algorithm("scatter", result.nbytes * self.size, result.itemsize)
-                fn(self._transport, send, result, root, self._frame("scatter", seq, result.dtype),
-                   deadline)
-            else:
-                np.copyto(result, send)
-            dst.write_back()
-            return dst.caller
-
-        return self._submit("scatter", seq, self._order.all_channels, body, False)
+        return self._collective("scatter", src, dst, root=root)
 
     def _all_to_all(self, x, out, stream=None):
-        seq = self._next_seq()
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else Staged.empty(
             src.host.shape, src.host.dtype, like=src, stream=stream)
-
-        def body(deadline: float):
-            self._debug_check("all_to_all", seq, deadline, src.host.dtype, src.host.shape)
-            send, result = _flat(src.host), _flat(dst.host)
-            if self.size > 1:
-                fn = self._algorithm("all_to_all", send.nbytes, send.itemsize)
-                fn(self._transport, send, result, self._frame("all_to_all", seq, send.dtype), deadline)
-            else:
-                np.copyto(result, send)
-            dst.write_back()
-            return dst.caller
-
-        return self._submit("all_to_all", seq, self._order.all_channels, body, False)
+        return self._collective("all_to_all", src, dst)
 
     # ------------------------------------------------------------------ point to point
     def _p2p_frame(self, channel: Channel, tag: int, dtype) -> Frame:
@@ -432,10 +362,10 @@ class CPUCommunicator(Communicator):
             return None
         members = sorted((int(k), r) for r, (c, k) in enumerate(table) if c == color)
         ranks = [r for _, r in members]
-        return CPUCommunicator(
+        return self._child(CPUCommunicator(
             self._root_store, ranks.index(self.rank), len(ranks),
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
-            timeout=self.timeout, owns_store=False, **self._settings)
+            timeout=self.timeout, owns_store=False, **self._settings), ranks)
 
     def abort(self) -> None:
         """Abort at once: pending and later operations raise ``CommAbortedError``."""

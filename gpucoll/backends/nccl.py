@@ -23,7 +23,7 @@ Which NCCL call
 
 Errors
     Usage errors are raised before anything is enqueued. Every operation is followed by a
-    CUDA event that the watchdog (``gpucoll.transports.nccl.Watchdog``) follows; on a timeout
+    CUDA event that the watchdog (``gpucoll.backends.watchdog.Watchdog``) follows; on a timeout
     or an asynchronous NCCL error the communicator is aborted and the next call raises
     ``CommTimeoutError`` or ``CommAbortedError`` naming the op, its sequence number and the
     ranks that had not reached it. Point-to-point messages have no tags in NCCL: ``tag`` is
@@ -32,82 +32,25 @@ Errors
 
 from __future__ import annotations
 
-import sys
+import functools
 import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
+from .. import cuda_env
 from ..communicator import Communicator
-from ..doctor import decode_nccl_version
 from ..errors import CommAbortedError, CommTimeoutError, GpucollError
+from ..rendezvous import hosts
 from ..rendezvous.store import PrefixStore, Store
-from ..transports import nccl as nccl_transport
-from ..transports.nccl import Pending, Watchdog
-from ..transports.socket import host_id
 from ..types import ReduceOp
-from ..work import Work
-from . import signature
+from . import nccl_runtime, signature
+from .nccl_arrays import export_like, import_device_array, stream_pointer
+from .nccl_work import CudaWork
+from .watchdog import CudaFault, Pending, Watchdog, event_status
 
 __all__ = ["NCCLCommunicator", "CudaWork"]
-
-_DLPACK_CUDA = 2  # kDLCUDA
-_DLPACK_HOST_KINDS = {1: "host memory", 3: "pinned host memory"}
-
-
-class CudaWork(Work):
-    """``Work`` of an enqueued GPU operation, backed by a CUDA event (see module doc)."""
-
-    def __init__(self, comm: "NCCLCommunicator", op: str, seq: int, event: Any, result: Any,
-                 peer: Optional[int] = None):
-        super().__init__(op, seq, comm.rank, comm.timeout)
-        self._comm, self._event, self._result, self._peer = comm, event, result, peer
-
-    def is_completed(self) -> bool:
-        """True once the operation finished on the GPU, or the communicator failed."""
-        return self._comm._failure is not None or bool(self._event.done)
-
-    def exception(self) -> Optional[BaseException]:
-        if self._event.done:
-            return None
-        return self._comm._error() if self._comm._failure is not None else None
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        """Make the caller's current stream wait for the operation; the host does not block.
-
-        Raises:
-            CommTimeoutError / CommAbortedError: the communicator failed before the operation
-                completed.
-        """
-        if self._comm._failure is not None and not self._event.done:
-            raise self._comm._error()
-        cupy = self._comm._cupy
-        cupy.cuda.runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, self._event.ptr)
-        return True
-
-    def synchronize(self, timeout: Optional[float] = None) -> bool:
-        """Block the host until the operation finished on the GPU (at most ``timeout`` s)."""
-        limit = self._default_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        pause = 2e-5
-        while not self._event.done:
-            if self._comm._failure is not None:
-                raise self._comm._error()
-            if time.monotonic() > deadline:
-                raise self._comm._timed_out(self.op, self.seq, limit, self._peer)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        return True
-
-    def result(self, timeout: Optional[float] = None) -> Any:
-        """``wait()``, then the output array (in the caller's array type)."""
-        self.wait(timeout)
-        return self._result if self._map is None else self._map(self._result)
-
-    def __repr__(self) -> str:
-        return f"<CudaWork {self.op} #{self.seq} rank {self.rank} " \
-               f"{'done' if self.is_completed() else 'pending'}>"
 
 
 class NCCLCommunicator(Communicator):
@@ -120,6 +63,7 @@ class NCCLCommunicator(Communicator):
     """
 
     backend = "nccl"
+    memory = "cuda"
     _converts_arrays = True
 
     def __init__(self, store: Store, rank: int, size: int, *, comm_id: str, token: str = "",
@@ -128,7 +72,7 @@ class NCCLCommunicator(Communicator):
                  _nccl_comm: Any = None, _local: Optional[Tuple[int, int]] = None, **_unused):
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is out of range for world_size={size}")
-        self._cupy, self._nccl = nccl_transport.load()
+        self._cupy, self._nccl = cuda_env.load()
         cupy = self._cupy
         self._runtime = cupy.cuda.runtime
         self.rank, self.size, self.timeout = rank, size, float(timeout)
@@ -156,13 +100,17 @@ class NCCLCommunicator(Communicator):
         self._device = cupy.cuda.Device(self.device)
         self._device.use()
         self.nccl_comm = _nccl_comm if _nccl_comm is not None else \
-            nccl_transport.create_communicator(self._store, rank, size, self.device, self.timeout)
+            nccl_runtime.create_communicator(self._store, rank, size, self.device, self.timeout)
         try:
-            self.nccl_version = decode_nccl_version(self._nccl.get_version())
+            self.nccl_version = cuda_env.decode_nccl_version(self._nccl.get_version())
             self._events: List[Any] = []
             self._reductions: dict = {}  # (dtype, op) -> (NCCL dtype, count factor, NCCL op)
             self._barrier_buffer = cupy.zeros(1, dtype=np.int32)
             self._bytes_type = self._nccl.NCCL_UINT8
+            runtime = self._runtime
+            self._event_done = functools.partial(
+                event_status, runtime.eventQuery,
+                describe=lambda status: str(runtime.CUDARuntimeError(status)))
             self._watchdog = Watchdog(
                 rank, check_error=self._check_async_error, on_failure=self._on_watchdog,
                 publish=self._publish_progress, interval=watchdog_interval,
@@ -173,45 +121,12 @@ class NCCLCommunicator(Communicator):
 
     def _local_rank(self) -> Tuple[int, int]:
         """(local rank, local size) from the host ids every rank publishes in the store."""
-        mine = host_id()
-        if self.size == 1:
-            return 0, 1
-        self._store.set(f"host/{self.rank}", mine.encode())
-        ids = [self._store.get(f"host/{r}", self.timeout).decode() for r in range(self.size)]
-        return (sum(1 for r in range(self.rank) if ids[r] == mine),
-                sum(1 for h in ids if h == mine))
+        return hosts.local_rank(hosts.exchange_host_ids(self._store, self.rank, self.size,
+                                                        self.timeout), self.rank)
 
     # ------------------------------------------------------------------ arrays
     def _import_array(self, x: Any, name: str) -> Any:
-        cupy = self._cupy
-        if isinstance(x, cupy.ndarray):
-            return self._on_device(x, name)
-        if isinstance(x, np.ndarray):
-            raise TypeError(f"{name} is a NumPy array (host memory); backend 'nccl' needs GPU "
-                            f"arrays: pass cupy.asarray({name}), or use backend='cpu'")
-        try:
-            has_cai = hasattr(x, "__cuda_array_interface__")
-        except Exception as exc:  # e.g. a torch tensor that requires grad
-            raise TypeError(f"{name} cannot be shared with NCCL: {exc}") from None
-        if has_cai:
-            return self._on_device(cupy.asarray(x), name)
-        if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
-            kind, _ = x.__dlpack_device__()
-            if int(kind) != _DLPACK_CUDA:
-                where = _DLPACK_HOST_KINDS.get(int(kind), f"DLPack device type {int(kind)}")
-                raise TypeError(f"{name} lives in {where}; backend 'nccl' needs GPU arrays")
-            try:
-                return self._on_device(cupy.from_dlpack(x), name)
-            except Exception as exc:
-                raise TypeError(f"{name} ({type(x).__name__}) cannot be imported through DLPack "
-                                f"without a copy: {exc}") from None
-        return x  # not an array: the base class raises TypeError
-
-    def _on_device(self, x: Any, name: str) -> Any:
-        if x.device.id != self.device:
-            raise ValueError(f"{name} is on GPU {x.device.id}, but rank {self.rank}'s "
-                             f"communicator uses GPU {self.device}")
-        return x
+        return import_device_array(self._cupy, x, name, self.device, self.rank)
 
     def _empty(self, shape: Tuple[int, ...], dtype: Any) -> Any:
         """A new array on this communicator's GPU, whichever device is current."""
@@ -219,28 +134,10 @@ class NCCLCommunicator(Communicator):
             return self._cupy.empty(shape, dtype=dtype)
 
     def _export(self, result: Any, like: Any) -> Any:
-        if like is None or isinstance(like, self._cupy.ndarray):
-            return result
-        module = sys.modules.get(type(like).__module__.split(".")[0])
-        from_dlpack = getattr(module, "from_dlpack", None)
-        return from_dlpack(result) if from_dlpack is not None else result
+        return export_like(self._cupy, result, like)
 
     def _stream_ptr(self, stream: Any) -> int:
-        if stream is None:
-            return self._cupy.cuda.get_current_stream().ptr
-        if isinstance(stream, int) and not isinstance(stream, bool):
-            return stream
-        if hasattr(stream, "__index__") and not isinstance(stream, bool):  # NumPy integers
-            return int(stream.__index__())
-        for attr in ("ptr", "cuda_stream"):
-            value = getattr(stream, attr, None)
-            if isinstance(value, int):
-                return value
-        protocol = getattr(stream, "__cuda_stream__", None)
-        if protocol is not None:
-            return int(protocol()[1])
-        raise TypeError(f"stream must be a CuPy stream, an object with cuda_stream or "
-                        f"__cuda_stream__, or a stream pointer; got {type(stream).__name__}")
+        return stream_pointer(self._cupy, stream)
 
     def _reduction(self, x: Any, op: ReduceOp) -> Tuple[int, int, int]:
         """(NCCL dtype, element count, NCCL op) for reducing ``x`` with ``op``."""
@@ -256,15 +153,15 @@ class NCCLCommunicator(Communicator):
 
     def _translate_reduction(self, x: Any, op: ReduceOp) -> Tuple[int, int, int]:
         nccl = self._nccl
-        reduce_op = nccl_transport.nccl_op(nccl, op)
+        reduce_op = nccl_runtime.nccl_op(nccl, op)
         name = x.dtype.name
-        if name in nccl_transport.REDUCIBLE:
-            return nccl_transport.nccl_dtype(nccl, name), x.size, reduce_op
+        if name in nccl_runtime.REDUCIBLE:
+            return nccl_runtime.nccl_dtype(nccl, name), x.size, reduce_op
         if x.dtype.kind == "c" and op in (ReduceOp.SUM, ReduceOp.AVG):
             real = "float32" if x.dtype.itemsize == 8 else "float64"
-            return nccl_transport.nccl_dtype(nccl, real), 2 * x.size, reduce_op
+            return nccl_runtime.nccl_dtype(nccl, real), 2 * x.size, reduce_op
         raise TypeError(f"NCCL cannot reduce dtype {name} with op {op.value} (it reduces "
-                        f"{', '.join(sorted(nccl_transport.REDUCIBLE))}); cast the array or "
+                        f"{', '.join(sorted(nccl_runtime.REDUCIBLE))}); cast the array or "
                         f"use the cpu backend")
 
     # ------------------------------------------------------------------ failure handling
@@ -286,6 +183,8 @@ class NCCLCommunicator(Communicator):
             if self._failure is not None:
                 return
             error_type = CommTimeoutError if kind == "timeout" else CommAbortedError
+            if kind == "timeout":
+                message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
             self._failure = (error_type, message)
         try:
             self._store.set(f"abort/{self.rank}", message.encode())
@@ -305,6 +204,17 @@ class NCCLCommunicator(Communicator):
             message = f"rank {self.rank}: {message}"
         message += "; the communicator was aborted, create a new one"
         self._fail(kind, message, pending)
+
+    def _work_done(self, op: str, seq: int, event: Any) -> bool:
+        """Whether the GPU work before ``event`` finished; a CUDA fault fails the communicator
+        and raises its error (never reported later as a timeout)."""
+        try:
+            return self._event_done(event)
+        except CudaFault as fault:
+            self._fail("error", f"rank {self.rank}: {op} #{seq}: the GPU reported {fault} (CUDA "
+                                f"error {fault.status}); the communicator was aborted, create "
+                                f"a new one", None)
+            raise self._error() from None
 
     def _timed_out(self, op: str, seq: int, limit: float,
                    peer: Optional[int] = None) -> CommTimeoutError:
@@ -331,10 +241,10 @@ class NCCLCommunicator(Communicator):
 
     def _ranks_behind(self, seq: int) -> Optional[List[int]]:
         time.sleep(min(2 * self._watchdog_interval, 1.0))  # let peers publish their progress
-        return nccl_transport.ranks_behind(self._store, self.size, self.rank, seq)
+        return nccl_runtime.ranks_behind(self._store, self.size, self.rank, seq)
 
     def _publish_progress(self, issued: int) -> None:
-        nccl_transport.publish_progress(self._store, self.rank, issued)
+        nccl_runtime.publish_progress(self._store, self.rank, issued)
 
     def _check_async_error(self) -> None:
         if self._failure is None and not self._closed:
@@ -368,19 +278,28 @@ class NCCLCommunicator(Communicator):
         number = seq if collective else self._p2p_seq
         if check is not None and self._debug and self.size > 1:
             self._debug_check(name, seq, *check)
+        deadline = time.monotonic() + self.timeout
+        self._watchdog.enter_host_call(Pending(name, number, deadline, None, peer, collective))
         try:
             launch(ptr)
         except GpucollError:
             raise
         except Exception as exc:  # NcclError raised while enqueueing
+            if self._failure is not None:  # the watchdog gave up on this very call first
+                raise self._error() from exc
             message = f"rank {self.rank}: {name} #{number}: NCCL refused the call: {exc}"
             self._fail("error", message, None)
             raise CommAbortedError(message) from exc
+        finally:
+            self._watchdog.leave_host_call()
+        if self._failure is not None:  # the call returned only after the watchdog gave up
+            raise self._error()
         event = self._events.pop() if self._events else self._new_event()
         self._runtime.eventRecord(event.ptr, ptr)
         # a Work keeps its event (pool None); other events go back to the pool once done
-        self._watchdog.track(Pending(name, number, time.monotonic() + self.timeout, event,
-                                     peer, collective, None if async_op else self._events, ptr))
+        self._watchdog.track(Pending(name, number, deadline, event,
+                                     peer, collective, None if async_op else self._events, ptr,
+                                     self._event_done))
         if async_op:
             return CudaWork(self, name, number, event, result, peer)
         return result
@@ -551,7 +470,7 @@ class NCCLCommunicator(Communicator):
         seq = self._seq = self._next_seq()
         self._splits += 1
         number = self._splits
-        mine = f"{-1 if color is None else color},{key},{host_id()}"
+        mine = f"{-1 if color is None else color},{key},{hosts.host_id()}"
         self._store.set(f"split/{number}/{self.rank}", mine.encode())
         keys = [f"split/{number}/{r}" for r in range(self.size)]
         try:
@@ -562,14 +481,15 @@ class NCCLCommunicator(Communicator):
             message = (f"rank {self.rank}: split #{seq}: ranks {', '.join(map(str, late))} did "
                        f"not call split within {self.timeout:g} s")
             self._fail("timeout", message, None)  # as after any timeout: aborted
-            raise CommTimeoutError(message, rank=self.rank, op="split", seq=seq) from None
+            raise CommTimeoutError(message, rank=self.rank, op="split", seq=seq,
+                                   limit=self.timeout) from None
         table = []
         for r in range(self.size):
             c, k, host = self._store.get(keys[r], self.timeout).decode().split(",", 2)
             table.append((int(c), int(k), r, host))
         self._drain(self.timeout)
         try:
-            new_comm = nccl_transport.run_bounded(
+            new_comm = nccl_runtime.run_bounded(
                 lambda: self.nccl_comm.commSplit(-1 if color is None else color, key),
                 self.device, self.timeout, f"rank {self.rank}: split #{seq} (ncclCommSplit)",
                 "split", self.rank)
@@ -585,20 +505,18 @@ class NCCLCommunicator(Communicator):
         members = sorted((k, r, host) for c, k, r, host in table if c == color)
         ranks = [r for _, r, _ in members]
         new_rank = ranks.index(self.rank)
-        hosts = [host for _, _, host in members]
-        local = (sum(1 for h in hosts[:new_rank] if h == hosts[new_rank]),
-                 sum(1 for h in hosts if h == hosts[new_rank]))
-        return NCCLCommunicator(
+        local = hosts.local_rank([host for _, _, host in members], new_rank)
+        return self._child(NCCLCommunicator(
             self._root_store, new_rank, len(ranks),
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
             timeout=self.timeout, debug=self._debug, owns_store=False, device=self.device,
-            watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local)
+            watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local), ranks)
 
     def _drain(self, timeout: float) -> None:
         """Wait (host) until every tracked operation has completed, bounded by ``timeout``."""
         deadline = time.monotonic() + timeout
         for pending in self._watchdog.outstanding():
-            while not pending.done():
+            while not self._work_done(pending.op, pending.seq, pending.event):
                 if self._failure is not None:
                     raise self._error()
                 if time.monotonic() > deadline:

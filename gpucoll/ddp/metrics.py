@@ -38,7 +38,7 @@ def all_reduce_metrics(comm, metrics: Mapping[str, Any], op: str = "sum") -> Dic
             raise TypeError(f"metric {name!r} must be a scalar, got {type(value).__name__}")
         integral.append(isinstance(value, (int, np.integer)))
         values[position] = float(value)
-    if comm.backend == "nccl":  # NCCL reduces device memory: one small round trip
+    if comm.memory == "cuda":  # a GPU backend reduces device memory: one small round trip
         import cupy
 
         device = cupy.asarray(values)

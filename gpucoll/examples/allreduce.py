@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         n, rank = comm.size, comm.rank
         dtype = np.dtype(args.dtype)
         xp, sync = np, (lambda: None)
-        if comm.backend == "nccl":  # device arrays; NCCL enqueues on the current stream
+        if comm.memory == "cuda":  # device arrays, enqueued on the current stream
             import cupy as xp
 
             sync = xp.cuda.get_current_stream().synchronize

@@ -50,4 +50,4 @@ class _Cuda:
 
 
 def _device_for(comm):
-    return _Cuda() if comm.backend == "nccl" else _Host()
+    return _Cuda() if comm.memory == "cuda" else _Host()

@@ -2,16 +2,16 @@
 
 Connection set-up (``SocketTransport.connect``), over the rendezvous store:
 
-1. Each rank opens its listeners (a Unix domain socket in the abstract namespace unless
-   ``GPUCOLL_TRANSPORT=tcp``, and a TCP socket on port 0 unless ``unix``) and publishes
-   ``addr/<rank>`` = JSON ``{"host_id", "tcp": [ip, port], "unix": name}``.
+1. The caller (``gpucoll.transports.select``) says which links each peer may use, in order
+   of preference (``links``: peer -> ``("unix", "tcp")``, ``("tcp",)``...). Each rank opens
+   the listeners those links need (a Unix domain socket in the abstract namespace, a TCP
+   socket on port 0) and publishes ``addr/<rank>`` = JSON ``{"tcp": [ip, port], "unix": name}``.
 2. It waits (with the timeout) until every rank has published; a rank that never joins is
    named in the ``CommTimeoutError``.
-3. It connects to every lower rank and accepts every higher rank. Peers with the same host id
-   (hostname, boot id and network namespace) use the Unix socket, others TCP; a failed Unix
-   connect falls back to TCP. Every connection runs the HMAC handshake of ``gpucoll.auth`` and
-   then says which communicator and rank it is for; a stranger (wrong token, garbage, another
-   job) is closed and the rank goes on accepting.
+3. It connects to every lower rank, trying that peer's links in order (a failed Unix connect
+   falls back to TCP), and accepts every higher rank. Every connection runs the HMAC
+   handshake of ``gpucoll.auth`` and then says which communicator and rank it is for; a
+   stranger (wrong token, garbage, another job) is closed and the rank goes on accepting.
 
 Data path: sockets stay non-blocking; :meth:`exchange` drives every send and receive of one
 algorithm step from one ``poll`` loop in the calling thread (no helper threads, no hidden
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import select
 import socket
 import struct
@@ -40,24 +39,14 @@ from ..errors import CollectiveMismatchError, CommTimeoutError, GpucollError, Pe
 from ..rendezvous.store import Store
 from .base import HEADER, HEADER_BYTES, KIND_CLOSE, Frame, Recv, Transport, check_header
 
-__all__ = ["SocketTransport", "host_id"]
+__all__ = ["SocketTransport", "SOCKET_LINKS"]
+
+SOCKET_LINKS = ("unix", "tcp")  # the link kinds this transport speaks
 
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 _POLLOUT = select.POLLOUT | select.POLLHUP | select.POLLERR
 _HELLO = struct.Struct("<II")  # rank, len(comm_id)
 _CLOSE_FRAME = Frame("close", 0)
-
-
-def host_id() -> str:
-    """Identity of this host *and* network namespace: ranks with equal ids can use Unix sockets."""
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-        parts.append(str(os.stat("/proc/self/ns/net").st_ino))
-    except OSError:
-        pass
-    return "/".join(parts)
 
 
 UNIX_BUFFER_BYTES = 4 << 20
@@ -142,8 +131,9 @@ class SocketTransport(Transport):
     # ------------------------------------------------------------------ set-up
     @classmethod
     def connect(cls, store: Store, rank: int, size: int, *, comm_id: str, token: str,
-                timeout: float, mode: str = "auto", advertise_host: str = "127.0.0.1",
-                buffer_bytes: int = 0, chunk_bytes: int = 256 << 10) -> "SocketTransport":
+                timeout: float, links: Dict[int, Tuple[str, ...]],
+                advertise_host: str = "127.0.0.1", buffer_bytes: int = 0,
+                chunk_bytes: int = 256 << 10) -> "SocketTransport":
         """Build the full mesh among ``size`` ranks through ``store`` (see module doc).
 
         Args:
@@ -151,7 +141,7 @@ class SocketTransport(Transport):
             comm_id: identifies the communicator; connections for another one are refused.
             token: shared secret for the handshake.
             timeout: seconds for the whole set-up.
-            mode: "auto", "tcp" or "unix".
+            links: peer -> the link kinds to try, in order ("unix", "tcp").
             advertise_host: address published for TCP peers.
 
         Raises:
@@ -161,16 +151,17 @@ class SocketTransport(Transport):
         if size == 1:
             return cls(rank, size, {}, {}, chunk_bytes)
         listeners: List[Tuple[str, socket.socket]] = []
-        me = {"host_id": host_id(), "tcp": None, "unix": None}
+        me = {"tcp": None, "unix": None}
+        needed = {kind for peer, kinds in links.items() if peer != rank for kind in kinds}
         try:
-            if mode in ("auto", "unix"):
+            if "unix" in needed:
                 name = f"\0gpucoll-{uuid.uuid4().hex}"
                 unix_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 unix_listener.bind(name)
                 unix_listener.listen(size)
                 listeners.append(("unix", unix_listener))
                 me["unix"] = name[1:]
-            if mode in ("auto", "tcp"):
+            if "tcp" in needed:
                 loopback = advertise_host.startswith("127.") or advertise_host == "localhost"
                 tcp_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 tcp_listener.bind(("127.0.0.1" if loopback else "0.0.0.0", 0))
@@ -201,8 +192,8 @@ class SocketTransport(Transport):
                         f"{timeout:g} s", rank=rank, op="init") from None
                 peers = {r: json.loads(store.get(f"addr/{r}", 1.0)) for r in range(size) if r != rank}
                 for peer in range(rank):
-                    sock, kind = cls._connect_peer(peers[peer], me, peer, rank, comm_id, token,
-                                                   deadline, mode)
+                    sock, kind = cls._connect_peer(peers[peer], links[peer], peer, rank, comm_id,
+                                                   token, deadline)
                     socks[peer], kinds[peer] = sock, kind
             except BaseException:
                 stop.set()
@@ -228,17 +219,18 @@ class SocketTransport(Transport):
                 listener.close()
 
     @staticmethod
-    def _connect_peer(info: dict, me: dict, peer: int, rank: int, comm_id: str, token: str,
-                      deadline: float, mode: str) -> Tuple[socket.socket, str]:
+    def _connect_peer(info: dict, kinds: Tuple[str, ...], peer: int, rank: int, comm_id: str,
+                      token: str, deadline: float) -> Tuple[socket.socket, str]:
         attempts = []
-        if mode != "tcp" and info.get("unix") and info["host_id"] == me["host_id"]:
-            attempts.append(("unix", socket.AF_UNIX, "\0" + info["unix"]))
-        if mode != "unix" and info.get("tcp"):
-            attempts.append(("tcp", socket.AF_INET, tuple(info["tcp"])))
+        for kind in kinds:
+            if kind == "unix" and info.get("unix"):
+                attempts.append(("unix", socket.AF_UNIX, "\0" + info["unix"]))
+            elif kind == "tcp" and info.get("tcp"):
+                attempts.append(("tcp", socket.AF_INET, tuple(info["tcp"])))
         if not attempts:
             raise GpucollError(
-                f"rank {rank}: no usable link to peer {peer} (GPUCOLL_TRANSPORT={mode}, peer "
-                f"published {info}); use GPUCOLL_TRANSPORT=auto or tcp across hosts")
+                f"rank {rank}: no usable link to peer {peer} (links {list(kinds)}, peer "
+                f"published {info}); peers must agree on GPUCOLL_TRANSPORT")
         last: Optional[BaseException] = None
         for kind, family, address in attempts:
             while True:

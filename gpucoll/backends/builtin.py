@@ -1,0 +1,74 @@
+"""The backends gpucoll ships, registered in :mod:`gpucoll.backends.registry`.
+
+``cpu``: NumPy arrays over the transports of ``gpucoll.transports`` (CuPy arrays staged
+through host memory); always available; ``auto``'s fallback. ``nccl``: GPU arrays through
+NCCL (CuPy); ``auto`` prefers it when CuPy, NCCL and a GPU are usable and every rank on this
+host can have a GPU of its own (or NCCL >= 2.30 may share one).
+
+Each factory reads its own settings from ``gpucoll.config``; ``init()`` passes only the
+common ones and the options the backend declares.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .. import config, cuda_env
+from .registry import register_backend
+
+__all__ = ["cpu_factory", "nccl_factory", "shared_gpu_reason"]
+
+
+def cpu_factory(store, rank: int, world_size: int, *, transport: Optional[str] = None,
+                **common):
+    """A ``CPUCommunicator``; socket and algorithm settings from GPUCOLL_* (see config)."""
+    from .. import algorithms
+    from ..rendezvous.hosts import route_address
+    from ..transports.select import check_mode
+    from .cpu import CPUCommunicator
+
+    advertise = config.get("GPUCOLL_HOST")
+    if not advertise:
+        host, port = getattr(store, "host", None), getattr(store, "port", None)
+        advertise = route_address(host, int(port or 0)) if isinstance(host, str) else "127.0.0.1"
+    text = config.get("GPUCOLL_ALGORITHM")
+    override = {} if text in ("", "auto") else algorithms.parse_override(text)
+    return CPUCommunicator(
+        store, rank, world_size,
+        transport=check_mode(config.get("GPUCOLL_TRANSPORT") if transport is None else transport),
+        advertise_host=advertise, socket_buffer=config.get("GPUCOLL_SOCKET_BUFFER"),
+        chunk_bytes=config.get("GPUCOLL_CHUNK_BYTES"),
+        ring_threshold=config.get("GPUCOLL_RING_THRESHOLD"), algorithm_override=override,
+        **common)
+
+
+def nccl_factory(store, rank: int, world_size: int, *, device: Optional[int] = None, **common):
+    """An ``NCCLCommunicator`` on GPU ``device`` (default GPUCOLL_DEVICE, else the local rank
+    modulo the number of GPUs)."""
+    from .nccl import NCCLCommunicator
+
+    return NCCLCommunicator(store, rank, world_size,
+                            device=config.get("GPUCOLL_DEVICE") if device is None else int(device),
+                            watchdog_interval=config.get("GPUCOLL_WATCHDOG_INTERVAL"), **common)
+
+
+def shared_gpu_reason(local_size: Optional[int]) -> Optional[str]:
+    """Why NCCL cannot give each of ``local_size`` ranks on this host a GPU (None: it can)."""
+    count = cuda_env.device_count()
+    if local_size is None or local_size <= count:
+        return None
+    if config.get("NCCL_MULTI_RANK_GPU_ENABLE") and cuda_env.nccl_version_code() >= 23000:
+        return None
+    return (f"{local_size} ranks on this host share {count} GPU(s); NCCL needs one GPU per rank "
+            f"(or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+
+
+register_backend(
+    "cpu", cpu_factory, memory="host", options=("transport",), auto_priority=0,
+    description="NumPy arrays over sockets (CuPy arrays staged through host memory); runs anywhere")
+register_backend(
+    "nccl", nccl_factory, lambda: cuda_env.nccl_unavailable_reason(), memory="cuda",
+    options=("device",), auto_priority=10, auto_reason=lambda local: shared_gpu_reason(local),
+    description="GPU arrays through NCCL (CuPy); one GPU per rank",
+    unavailable_hint="use backend='cpu' (CuPy arrays are staged through host memory) or "
+                     "backend='auto'")

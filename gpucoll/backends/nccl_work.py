@@ -1,0 +1,74 @@
+"""``CudaWork``: the ``Work`` of an operation enqueued on a CUDA stream by the NCCL backend."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from ..errors import GpucollError
+from ..work import Work
+
+__all__ = ["CudaWork"]
+
+
+class CudaWork(Work):
+    """``Work`` of an enqueued GPU operation, backed by a CUDA event (see module doc)."""
+
+    def __init__(self, comm: Any, op: str, seq: int, event: Any, result: Any,
+                 peer: Optional[int] = None):
+        super().__init__(op, seq, comm.rank, comm.timeout)
+        self._comm, self._event, self._result, self._peer = comm, event, result, peer
+
+    def is_completed(self) -> bool:
+        """True once the operation finished on the GPU, or the communicator failed."""
+        try:
+            return self._comm._failure is not None or self._gpu_done()
+        except GpucollError:  # a CUDA fault: the work is over (exception() says how)
+            return True
+
+    def _gpu_done(self) -> bool:
+        return self._comm._work_done(self.op, self.seq, self._event)
+
+    def exception(self) -> Optional[BaseException]:
+        try:
+            if self._gpu_done():
+                return None
+        except GpucollError as exc:
+            return exc
+        return self._comm._error() if self._comm._failure is not None else None
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Make the caller's current stream wait for the operation; the host does not block.
+
+        Raises:
+            CommTimeoutError / CommAbortedError: the communicator failed before the operation
+                completed.
+        """
+        if self._comm._failure is not None and not self._gpu_done():
+            raise self._comm._error()
+        cupy = self._comm._cupy
+        cupy.cuda.runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, self._event.ptr)
+        return True
+
+    def synchronize(self, timeout: Optional[float] = None) -> bool:
+        """Block the host until the operation finished on the GPU (at most ``timeout`` s)."""
+        limit = self._default_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        pause = 2e-5
+        while not self._gpu_done():
+            if self._comm._failure is not None:
+                raise self._comm._error()
+            if time.monotonic() > deadline:
+                raise self._comm._timed_out(self.op, self.seq, limit, self._peer)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        """``wait()``, then the output array (in the caller's array type)."""
+        self.wait(timeout)
+        return self._result if self._map is None else self._map(self._result)
+
+    def __repr__(self) -> str:
+        return f"<CudaWork {self.op} #{self.seq} rank {self.rank} " \
+               f"{'done' if self.is_completed() else 'pending'}>"

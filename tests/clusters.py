@@ -1,0 +1,204 @@
+"""Where the one conformance suite runs: a backend, an array module and a world size.
+
+A *cluster* runs a module-level function ``fn(comm, arrays, *args)`` on every rank and returns
+the per-rank results (host NumPy values, so the test can compare them with NumPy). ``arrays``
+is the rank's array module adapter (:class:`Arrays`): ``dev`` puts a NumPy array where the
+backend wants it, ``host`` brings a result back, ``zeros`` allocates an output.
+
+Clusters (``CLUSTERS``; ids as in ``pytest -k``):
+
+- ``cpu-unix`` / ``cpu-tcp``: real processes (``mp_harness.RankPool``), the CPU backend over
+  Unix or TCP sockets, NumPy arrays.
+- ``nccl-emulated``: ranks are threads, the real NCCL backend over ``tests/emulated_cuda``
+  (gpucoll's bookkeeping, not NCCL's numerics).
+- ``nccl-gpu``: the real NCCL backend on a real GPU with CuPy (one rank per GPU; skipped
+  without one).
+
+``cluster.reduces(op, dtype)`` says whether the backend reduces that pair (NCCL has no
+bitwise ops and does not reduce bool or 16-bit integers); data movement works for every dtype.
+"""
+
+from __future__ import annotations
+
+import queue
+import tempfile
+import threading
+import time
+from typing import Any, Callable, List
+
+import numpy as np
+import pytest
+
+from mp_harness import RankFailure, RankPool
+from reference import op_valid
+
+_NCCL_OPS = ("sum", "prod", "min", "max", "avg")
+_NCCL_REDUCIBLE = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
+                   "float64")
+
+
+class Arrays:
+    """The rank's array module: ``numpy``, ``cupy`` or the emulation's CuPy."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        if kind == "numpy":
+            self.xp = np
+        elif kind == "cupy":
+            import cupy
+
+            self.xp = cupy
+        else:  # "emulated": the module the NCCL backend was handed
+            from gpucoll import cuda_env
+
+            self.xp = cuda_env._LOADED[0]
+
+    def dev(self, host: np.ndarray):
+        return host if self.xp is np else self.xp.asarray(host)
+
+    def host(self, x) -> Any:
+        if x is None or self.xp is np:
+            return x
+        return self.xp.asnumpy(x)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype) if self.xp is np else self.xp.zeros(shape, dtype)
+
+
+def _call(comm, kind: str, fn: Callable, *args):
+    return fn(comm, Arrays(kind), *args)
+
+
+class ProcessCluster:
+    """Ranks in real processes (see module doc)."""
+
+    def __init__(self, name: str, world_size: int, backend: str, transport: str, kind: str):
+        self.name, self.world_size, self.backend, self.kind = name, world_size, backend, kind
+        self.pool = RankPool(world_size, env={"GPUCOLL_TRANSPORT": transport}, backend=backend)
+
+    def run(self, fn: Callable, *args, timeout: float = 120.0) -> List[Any]:
+        return self.pool.run(_call, self.kind, fn, *args, timeout=timeout)
+
+    def reduces(self, op: str, dtype: str) -> bool:
+        if self.backend == "nccl":
+            return op in _NCCL_OPS and (dtype in _NCCL_REDUCIBLE or (
+                dtype.startswith("complex") and op in ("sum", "avg")))
+        return op_valid(op, dtype)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class ThreadCluster(ProcessCluster):
+    """Ranks as threads of this process on the emulated NCCL backend (see module doc)."""
+
+    def __init__(self, name: str, world_size: int, emulation):
+        import gpucoll
+
+        self.name, self.world_size, self.backend, self.kind = name, world_size, "nccl", "emulated"
+        self._emu = emulation
+        self._tmp = tempfile.TemporaryDirectory()
+        url = f"file://{self._tmp.name}/store"
+        self._tasks = [queue.Queue() for _ in range(world_size)]
+        self._results: "queue.Queue" = queue.Queue()
+        self.comms: List[Any] = [None] * world_size
+
+        def body(rank: int) -> None:
+            try:
+                comm = self.comms[rank] = gpucoll.init(
+                    backend="nccl", rank=rank, world_size=world_size, url=url, timeout=10)
+            except BaseException as exc:
+                self._results.put((rank, "error", exc))
+                return
+            self._results.put((rank, "ok", None))
+            while True:
+                task = self._tasks[rank].get()
+                if task is None:
+                    break
+                fn, args = task
+                try:
+                    self._results.put((rank, "ok", fn(comm, Arrays("emulated"), *args)))
+                except BaseException as exc:  # reported by run()
+                    self._results.put((rank, "error", exc))
+            comm.close()
+
+        self._threads = [threading.Thread(target=body, args=(r,), daemon=True,
+                                          name=f"rank-{r}") for r in range(world_size)]
+        for thread in self._threads:
+            thread.start()
+        self._collect(60.0)
+
+    def _collect(self, timeout: float) -> List[Any]:
+        values, deadline = {}, time.monotonic() + timeout
+        while len(values) < self.world_size:
+            try:
+                rank, status, value = self._results.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise RankFailure(f"ranks {sorted(set(range(self.world_size)) - set(values))} did "
+                                  f"not answer within {timeout:g} s") from None
+            if status == "error":
+                for comm in self.comms:
+                    if comm is not None:
+                        comm.abort()
+                self._emu.release_all()
+                raise RankFailure(f"rank {rank} failed: {type(value).__name__}: {value}") from value
+            values[rank] = value
+        return [values[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable, *args, timeout: float = 120.0) -> List[Any]:
+        for tasks in self._tasks:
+            tasks.put((fn, args))
+        return self._collect(timeout)
+
+    def close(self) -> None:
+        for tasks in self._tasks:
+            tasks.put(None)
+        for thread in self._threads:
+            thread.join(10)
+        self._tmp.cleanup()
+
+
+CLUSTERS = [("cpu-unix", n) for n in (1, 2, 3, 4)] + [("cpu-tcp", n) for n in (2, 3)] + \
+           [("nccl-emulated", n) for n in (1, 2, 3)] + [("nccl-gpu", 1)]
+
+
+def cluster_id(param) -> str:
+    return f"{param[0]}-world{param[1]}"
+
+
+def cluster_marks(param):
+    return [pytest.mark.gpu] if param[0] == "nccl-gpu" else []
+
+
+def make_cluster(name: str, world_size: int):
+    """Start the cluster ``name`` of ``world_size`` ranks; call ``close()`` when done."""
+    if name in ("cpu-unix", "cpu-tcp"):
+        return ProcessCluster(name, world_size, "cpu", name.split("-")[1], "numpy")
+    if name == "nccl-gpu":
+        return ProcessCluster(name, world_size, "nccl", "auto", "cupy")
+    from emulated_cuda import Emulation
+    from gpucoll import cuda_env
+
+    emulation = Emulation(device_count=4, timeout=5.0)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(cuda_env, "_LOADED", (emulation.cupy, emulation.nccl))
+    patch.setenv("GPUCOLL_WATCHDOG_INTERVAL", "0.01")
+    patch.delenv("GPUCOLL_DEBUG", raising=False)
+    try:
+        cluster = ThreadCluster(name, world_size, emulation)
+    except BaseException:
+        patch.undo()
+        raise
+    close = cluster.close
+
+    def close_and_restore() -> None:
+        try:
+            close()
+            emulation.release_all()
+        finally:
+            patch.undo()
+
+    cluster.close = close_and_restore
+    return cluster
+
+
