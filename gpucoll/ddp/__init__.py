@@ -3,6 +3,11 @@
 * :class:`Bucketer` - fused, overlapped gradient averaging (bucketing, compression,
   accumulation with ``no_sync``, loss-scale unscaling with a non-finite flag);
   :func:`broadcast_parameters` - copy rank 0's parameters everywhere.
+* :class:`ShardedOptimizer` - ZeRO stage 1: reduce-scatter gradients, update only this rank's
+  shard (optimizer state is 1 / world_size of DDP's), all-gather the parameters.
+* :class:`SGD`, :class:`Adam` - element-wise optimizers written with the array module.
+* :class:`DynamicLossScaler` - mixed-precision loss scaling: skip on overflow on every rank
+  together, back off, grow after clean steps.
 * :class:`DistributedSampler` - disjoint per-rank shards of a dataset, reshuffled per epoch.
 * :func:`all_reduce_metrics` - sum counters across ranks in one all-reduce.
 * :func:`sync_batch_stats`, :class:`SyncBatchNorm` - batch norm over the global batch.
@@ -11,9 +16,13 @@ Importing this package never imports CuPy.
 """
 
 from .bucketer import Bucketer, broadcast_parameters, plan_buckets
+from .loss_scaler import DynamicLossScaler
 from .metrics import all_reduce_metrics
+from .optim import SGD, Adam, make_optimizer
 from .sampler import DistributedSampler
+from .sharded import ShardedOptimizer
 from .sync_bn import SyncBatchNorm, sync_batch_stats
 
-__all__ = ["Bucketer", "broadcast_parameters", "plan_buckets", "DistributedSampler",
-           "all_reduce_metrics", "sync_batch_stats", "SyncBatchNorm"]
+__all__ = ["Bucketer", "broadcast_parameters", "plan_buckets", "ShardedOptimizer", "SGD", "Adam",
+           "make_optimizer", "DynamicLossScaler", "DistributedSampler", "all_reduce_metrics",
+           "sync_batch_stats", "SyncBatchNorm"]

@@ -3,13 +3,17 @@
 Run with::
 
     gpucoll run -n 2 -m gpucoll.examples.train_digits [--epochs 10] [--compression bf16]
+    gpucoll run -n 3 -m gpucoll.examples.train_digits --zero [--optimizer adam] [--loss-scaling]
     python -m gpucoll.examples.train_digits          # one process
 
 Forward and backward are written with the array module: CuPy when it is installed and a GPU
 is present (``--cpu`` forces NumPy), NumPy otherwise. Each rank takes a disjoint shard of every
 global batch (``DistributedSampler``); gradients are averaged by the ``Bucketer``, which starts
 each bucket's all-reduce from inside backward as soon as its gradients exist. Rank 0 prints the
-global loss and the train / test accuracy per epoch. The dataset ships with scikit-learn (no
+global loss and the train / test accuracy per epoch. ``--zero`` replaces the Bucketer and
+the local optimizer with the ``ShardedOptimizer`` (ZeRO-1: reduce-scatter, update this rank's
+shard, all-gather), and prints the optimizer state each rank holds. ``--loss-scaling`` scales the
+loss with a ``DynamicLossScaler`` and skips steps whose gradients overflowed. The dataset ships with scikit-learn (no
 download): ``pip install 'gpucoll[examples]'``.
 """
 
@@ -22,7 +26,8 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 
 import gpucoll
-from gpucoll.ddp import Bucketer, DistributedSampler, all_reduce_metrics, broadcast_parameters
+from gpucoll.ddp import (Bucketer, DistributedSampler, DynamicLossScaler, ShardedOptimizer,
+                         all_reduce_metrics, broadcast_parameters, make_optimizer)
 
 
 def init_params(sizes, seed: int = 0, xp: Any = np, dtype: Any = np.float32) -> List[Any]:
@@ -138,7 +143,15 @@ def main(argv=None) -> int:
     parser.add_argument("--compression", choices=["none", "bf16", "fp16"], default="none")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="use NumPy even when CuPy works")
+    parser.add_argument("--zero", action="store_true",
+                        help="shard the optimizer state across ranks (ZeRO-1)")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--loss-scaling", action="store_true",
+                        help="dynamic loss scaling (skip steps that overflow)")
     args = parser.parse_args(argv)
+    if args.zero and args.compression != "none":
+        parser.error("--compression applies to the Bucketer, not to --zero")
+    settings = {"lr": args.lr} if args.optimizer == "sgd" else {"lr": args.lr / 50}
 
     xp = _array_module(args.cpu)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
@@ -149,16 +162,26 @@ def main(argv=None) -> int:
         local_batch = args.batch_size // comm.size
         params = init_params([64, args.hidden, args.hidden, 10], seed=args.seed + comm.rank, xp=xp)
         broadcast_parameters(comm, params, root=0)   # every rank starts from rank 0's weights
-        velocity = [xp.zeros_like(p) for p in params]
-        bucketer = Bucketer(comm, params, first_bucket_cap_bytes=64 << 10,
-                            compression=None if args.compression == "none" else args.compression)
+        scaler = DynamicLossScaler(init_scale=2.0 ** 12, growth_interval=100) \
+            if args.loss_scaling else None
+        if args.zero:
+            zero = ShardedOptimizer(comm, params, args.optimizer, first_bucket_cap_bytes=64 << 10,
+                                    **settings)
+            hook, n_buckets = zero.mark_ready, len(zero.buckets)
+        else:
+            optimizer = make_optimizer(args.optimizer, **settings)
+            bucketer = Bucketer(comm, params, first_bucket_cap_bytes=64 << 10,
+                                compression=None if args.compression == "none" else
+                                args.compression)
+            hook, n_buckets = bucketer.mark_ready, len(bucketer.buckets)
         sampler = DistributedSampler(len(x_train), comm, seed=args.seed, drop_last=True)
         x_train_dev, y_train_dev = xp.asarray(x_train), xp.asarray(y_train)
         x_test_dev, y_test_dev = xp.asarray(x_test), xp.asarray(y_test)
         if comm.rank == 0:
             print(f"# digits: {len(x_train)} train / {len(x_test)} test, {comm.size} rank(s), "
                   f"backend {comm.backend}, arrays {xp.__name__}, global batch {args.batch_size}, "
-                  f"{len(bucketer.buckets)} bucket(s), compression {args.compression}")
+                  f"{n_buckets} bucket(s), compression {args.compression}, optimizer "
+                  f"{args.optimizer}{' sharded (ZeRO-1)' if args.zero else ''}")
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             mine = sampler.indices()
@@ -167,9 +190,16 @@ def main(argv=None) -> int:
             loss_sum, correct, seen = 0.0, 0, 0
             for step in range(steps):
                 batch = xp.asarray(mine[step * local_batch:(step + 1) * local_batch])
+                scale = scaler.scale if scaler else 1.0
                 loss, hits, grads = loss_and_grads(params, x_train_dev[batch], y_train_dev[batch],
-                                                   xp, on_grad=bucketer.mark_ready)
-                sgd_step(params, bucketer.finish(), velocity, args.lr)
+                                                   xp, on_grad=hook, scale=scale)
+                if args.zero:
+                    zero.step(scaler=scaler)
+                else:
+                    grads = bucketer.finish(loss_scale=scaler.scale if scaler else None)
+                    if scaler is None or scaler.update(bucketer.found_nonfinite()):
+                        for index, (param, grad) in enumerate(zip(params, grads)):
+                            optimizer.update(index, param, grad)
                 loss_sum += loss * local_batch
                 correct += hits
                 seen += local_batch
@@ -181,6 +211,12 @@ def main(argv=None) -> int:
                       f"train acc {totals['correct'] / totals['seen']:.4f}  "
                       f"test acc {test_correct / len(x_test):.4f}  "
                       f"({time.perf_counter() - start:.2f} s)", flush=True)
+        state = zero.state_bytes() if args.zero else optimizer.state_bytes()
+        states = all_reduce_metrics(comm, {"state": state}, op="max")
+        if comm.rank == 0:
+            skipped = f", {scaler.skipped_steps} step(s) skipped by the loss scaler" if scaler else ""
+            print(f"# optimizer state per rank: {states['state']} bytes"
+                  f"{' (sharded)' if args.zero else ''}{skipped}", flush=True)
     return 0
 
 

@@ -1,0 +1,262 @@
+"""ZeRO stage 1: optimizer state sharded across data-parallel ranks.
+
+Gradients are packed into flat buckets (the Bucketer's plan and fused pack kernel), each bucket
+padded to a multiple of the world size and **reduce-scattered** as soon as its gradients exist,
+so rank ``r`` receives the summed gradients of slice ``r`` of every bucket while backward still
+runs. ``step()`` averages and unscales that slice (the fused unpack kernel, which also flags
+inf / NaN), updates it with an optimizer whose state covers only that slice, then
+**all-gathers** the updated slices and unpacks them into the parameters.
+
+Bytes on the wire per step equal a ring all-reduce's (reduce-scatter + all-gather is how a ring
+all-reduce works), but each rank keeps 1 / world_size of the optimizer state and does
+1 / world_size of the update arithmetic. Only the ``Communicator`` interface is used.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+from .. import kernels
+from .bucketer import MiB, _array_module, plan_buckets
+from .optim import SGD, make_optimizer
+
+__all__ = ["ShardedOptimizer"]
+
+_LAYOUT_FIELDS = ("parameters", "elements", "buckets", "shape checksum", "dtype itemsize")
+
+
+class _Shard:
+    __slots__ = ("members", "offsets", "length", "chunk", "buffer", "grad", "param", "ready",
+                 "work")
+
+    def __init__(self, members: List[int], sizes: Sequence[int], itemsize: int, world: int):
+        self.members = members
+        self.offsets, length = kernels.bucket_offsets([sizes[i] for i in members], itemsize)
+        self.chunk = -(-length // world)          # elements of this bucket each rank owns
+        self.length = self.chunk * world          # padded: divisible by the world size
+        self.buffer = self.grad = self.param = None
+        self.ready = 0
+        self.work = None
+
+
+class ShardedOptimizer:
+    """Data-parallel optimizer step with sharded state (ZeRO-1), over any communicator.
+
+    Args:
+        comm: the data-parallel communicator.
+        params: the parameters (float32 or float64, one dtype), equal on every rank (see
+            ``broadcast_parameters``); updated in place by :meth:`step`.
+        optimizer: "sgd" (momentum) or "adam", or an ``SGD`` / ``Adam`` object.
+        bucket_cap_bytes, first_bucket_cap_bytes: as for the ``Bucketer``.
+        **optimizer_kwargs: passed to the optimizer (``lr``, ``momentum``, ``betas``...).
+
+    Raises:
+        ValueError: parameter layouts differ between ranks (the numbers are named); bad caps.
+        TypeError: a parameter that is not float32 / float64, or mixed dtypes.
+
+    Example (two ranks)::
+
+        opt = ShardedOptimizer(comm, params, "adam", lr=1e-3)
+        loss, grads = loss_and_grads(params, batch, on_grad=opt.mark_ready)
+        opt.step()                       # params updated on every rank
+    """
+
+    def __init__(self, comm, params: Sequence[Any], optimizer: Any = "sgd", *,
+                 bucket_cap_bytes: int = 25 * MiB, first_bucket_cap_bytes: int = 1 * MiB,
+                 **optimizer_kwargs):
+        if bucket_cap_bytes <= 0 or first_bucket_cap_bytes <= 0:
+            raise ValueError(f"bucket caps must be positive, got {bucket_cap_bytes} and "
+                             f"{first_bucket_cap_bytes}")
+        if not params:
+            raise ValueError("params is empty")
+        self.comm = comm
+        self.params = list(params)
+        self.optimizer: SGD = make_optimizer(optimizer, **optimizer_kwargs)
+        dtypes = {np.dtype(p.dtype).name for p in self.params}
+        if len(dtypes) != 1 or not dtypes <= {"float32", "float64"}:
+            raise TypeError(f"ShardedOptimizer needs parameters of one dtype, float32 or float64; "
+                            f"got {sorted(dtypes)}")
+        self.dtype = np.dtype(self.params[0].dtype)
+        self.shapes = [tuple(int(d) for d in p.shape) for p in self.params]
+        for index, param in enumerate(self.params):
+            if not param.flags.c_contiguous:
+                raise ValueError(f"params[{index}] must be C-contiguous (shape {param.shape})")
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        plan = plan_buckets([s * self.dtype.itemsize for s in sizes], [self.dtype] * len(sizes),
+                            bucket_cap_bytes, first_bucket_cap_bytes)
+        self._shards = [_Shard(m, sizes, self.dtype.itemsize, comm.size) for m in plan]
+        self._shard_of = {i: b for b, shard in enumerate(self._shards) for i in shard.members}
+        self.xp = _array_module(self.params[0])
+        self._check_layout(sizes)
+        for shard in self._shards:
+            shard.buffer = self.xp.zeros(shard.length, dtype=self.dtype)   # padding stays 0
+            kernels.pack([self.params[i] for i in shard.members], shard.buffer,
+                         offsets=shard.offsets)
+            mine = slice(comm.rank * shard.chunk, (comm.rank + 1) * shard.chunk)
+            shard.param = shard.buffer[mine].copy()                         # this rank's slice
+            shard.grad = self.xp.zeros(shard.chunk, dtype=self.dtype)
+        self._grads: List[Any] = [None] * len(self.params)
+        self._next_issue = 0
+        self.found_inf = None
+        self.steps = 0
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ layout
+    def _check_layout(self, sizes: Sequence[int]) -> None:
+        """All-gather (parameters, elements, buckets, shape checksum, itemsize) and compare."""
+        checksum = zlib.crc32(repr(self.shapes).encode()) & 0x7FFFFFFF
+        mine = np.array([len(self.params), sum(sizes), len(self._shards), checksum,
+                         self.dtype.itemsize], dtype=np.int64)
+        if self.comm.size == 1:
+            return
+        table = self.comm.all_gather(self.xp.asarray(mine))
+        table = table.get() if hasattr(table, "get") else np.asarray(table)
+        for rank, row in enumerate(table):
+            if not np.array_equal(row, mine):
+                diffs = ", ".join(f"{name} {int(a)} vs {int(b)}" for name, a, b
+                                  in zip(_LAYOUT_FIELDS, mine, row) if a != b)
+                raise ValueError(f"ShardedOptimizer: rank {self.comm.rank} and rank {rank} have "
+                                 f"different parameter layouts ({diffs}); every rank must pass "
+                                 f"the same parameter shapes and bucket caps")
+
+    @property
+    def buckets(self) -> List[List[int]]:
+        """Parameter indices of each bucket, in issue order."""
+        return [list(shard.members) for shard in self._shards]
+
+    @property
+    def shard_elements(self) -> int:
+        """Elements of the flat parameter space this rank owns (sum over buckets)."""
+        return sum(shard.chunk for shard in self._shards)
+
+    @property
+    def total_elements(self) -> int:
+        """Elements of all buckets together, padding included."""
+        return sum(shard.length for shard in self._shards)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (about 1 / world_size of unsharded state)."""
+        return self.optimizer.state_bytes()
+
+    def wire_bytes_per_step(self) -> int:
+        """Bytes this rank sends per step by the ring model: (n - 1) / n of the buckets for
+        the reduce-scatter and the same for the all-gather."""
+        n = self.comm.size
+        return int(2 * (n - 1) * self.shard_elements * self.dtype.itemsize)
+
+    # ------------------------------------------------------------------ the step
+    def mark_ready(self, index: int, grad: Any) -> None:
+        """Gradient ``index`` (registration order) exists; full buckets start their
+        reduce-scatter now, in bucket order.
+
+        Raises:
+            ValueError: index out of range, marked twice, or wrong shape. TypeError: dtype.
+        """
+        if not 0 <= index < len(self.params):
+            raise ValueError(f"gradient index {index} is out of range for {len(self.params)} "
+                             f"parameters")
+        if tuple(grad.shape) != self.shapes[index]:
+            raise ValueError(f"gradient {index} has shape {tuple(grad.shape)}, expected "
+                             f"{self.shapes[index]}")
+        if np.dtype(grad.dtype) != self.dtype:
+            raise TypeError(f"gradient {index} has dtype {grad.dtype}, expected {self.dtype}")
+        if self._grads[index] is not None:
+            raise ValueError(f"gradient {index} was already marked ready in this step")
+        self._grads[index] = grad
+        shard = self._shards[self._shard_of[index]]
+        shard.ready += 1
+        if shard.ready == len(shard.members):
+            self._issue_ready()
+
+    def _issue_ready(self) -> None:
+        size = self.comm.size
+        while self._next_issue < len(self._shards):
+            shard = self._shards[self._next_issue]
+            if shard.ready < len(shard.members):
+                return
+            kernels.pack([self._grads[i] for i in shard.members], shard.buffer,
+                         offsets=shard.offsets)
+            shard.work = self.comm.reduce_scatter(shard.buffer.reshape(size, shard.chunk),
+                                                  out=shard.grad, async_op=True)
+            self._next_issue += 1
+
+    def step(self, *, loss_scale: Optional[float] = None, scaler: Any = None,
+             check_finite: Optional[bool] = None) -> bool:
+        """Finish the reduce-scatters, update this rank's shard, all-gather the parameters.
+
+        Args:
+            loss_scale: divide the gradients by it (mixed precision); implies the check.
+            scaler: a ``DynamicLossScaler``: its ``scale`` unscales, and it is updated with
+                the overflow flag all ranks agreed on.
+            check_finite: check for inf / NaN (default: when unscaling).
+
+        Returns:
+            True when the parameters were updated; False when some rank's gradients had inf /
+            NaN and every rank skipped the step.
+
+        Raises:
+            ValueError: some gradients were never marked ready (listed).
+        """
+        missing = [i for i, grad in enumerate(self._grads) if grad is None]
+        if missing:
+            self._reset()
+            raise ValueError(f"gradients {missing} were not marked ready in this step; every "
+                             f"rank must produce every gradient")
+        if scaler is not None:
+            loss_scale = scaler.scale
+        check = (loss_scale is not None) if check_finite is None else check_finite
+        self.found_inf = self.xp.zeros(1, dtype=np.int32) if check else None
+        try:
+            self._issue_ready()
+            for shard in self._shards:
+                shard.work.wait()
+                kernels.unpack(shard.grad, [shard.grad], scale=1.0 / self.comm.size,
+                               loss_scale=loss_scale, found_inf=self.found_inf)
+        finally:
+            self._reset()
+        overflow = False
+        if check:
+            # each rank checked only its own slices: agree before anyone steps
+            self.comm.all_reduce(self.found_inf, op="max")
+            overflow = bool(int(self.found_inf[0]))
+        if scaler is not None:
+            scaler.update(overflow, agreed=True)
+        if overflow:
+            self.skipped_steps += 1
+            return False
+        for number, shard in enumerate(self._shards):
+            self.optimizer.update(number, shard.param, shard.grad)
+            shard.work = self.comm.all_gather(shard.param, out=shard.buffer.reshape(
+                self.comm.size, shard.chunk), async_op=True)
+        try:
+            for shard in self._shards:
+                shard.work.wait()
+                kernels.unpack(shard.buffer, [self.params[i] for i in shard.members],
+                               offsets=shard.offsets)
+        finally:
+            self._reset()
+        self.steps += 1
+        return True
+
+    def reduce_and_step(self, grads: Sequence[Any], **step_kwargs) -> bool:
+        """``mark_ready`` every gradient (last first), then :meth:`step`."""
+        if len(grads) != len(self.params):
+            raise ValueError(f"got {len(grads)} gradients for {len(self.params)} parameters")
+        for index in reversed(range(len(grads))):
+            self.mark_ready(index, grads[index])
+        return self.step(**step_kwargs)
+
+    def _reset(self) -> None:
+        for shard in self._shards:
+            if shard.work is not None:
+                try:
+                    shard.work.wait()
+                except Exception:
+                    pass  # raised (or about to be) by step()
+            shard.ready = 0
+            shard.work = None
+        self._grads = [None] * len(self.params)
+        self._next_issue = 0
