@@ -378,6 +378,10 @@ class CPUCommunicator(Communicator):
         self._abort_with(f"abort() called on rank {self.rank}")
         self._release_store()
 
+    def _abort_for(self, reason: str) -> None:
+        self._abort_with(reason)
+        self._release_store()
+
     def close(self, timeout: Optional[float] = None) -> None:
         """Close after checking with every peer that no message was left unreceived.
 
