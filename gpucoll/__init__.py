@@ -5,16 +5,17 @@ NCCL through CuPy on GPUs; a NumPy-over-sockets backend with the same API everyw
     import gpucoll as gc
     comm = gc.init()            # under `gpucoll run -n 4 script.py`, torchrun, mpiexec or srun
     comm.all_reduce(x)          # in place, sum
+    gc.get_rank()               # the default communicator: the one init() made
 
-Importing gpucoll never imports CuPy.
+Importing gpucoll never imports CuPy. ``init`` is imported on first use, so that importing the
+package does not import ``gpucoll.config`` (``python -m gpucoll.config`` then runs cleanly).
 """
 
-from .api import init
-from .backends.registry import available_backends, register_backend
 from .communicator import Communicator
+from .default_comm import default, destroy, get_rank, get_world_size, is_initialized
 from .errors import (AuthenticationError, BackendUnavailableError, CollectiveMismatchError,
-                     CommAbortedError, CommTimeoutError, GpucollError, PeerError, StoreError,
-                     UnsupportedOperationError)
+                     CommAbortedError, CommTimeoutError, GpucollError, NotInitializedError,
+                     PeerError, StoreError, UnsupportedOperationError)
 from .types import ReduceOp
 from .work import Work
 
@@ -23,6 +24,19 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Communicator", "Work", "ReduceOp", "GpucollError", "CommTimeoutError", "PeerError",
     "CollectiveMismatchError", "CommAbortedError", "BackendUnavailableError",
-    "AuthenticationError", "StoreError", "UnsupportedOperationError", "register_backend",
+    "AuthenticationError", "StoreError", "NotInitializedError", "UnsupportedOperationError",
+    "default", "destroy", "get_rank", "get_world_size", "is_initialized", "register_backend",
     "available_backends", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    if name == "init":
+        from .api import init
+
+        return init
+    if name in ("register_backend", "available_backends"):
+        from .backends import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module 'gpucoll' has no attribute {name!r}")

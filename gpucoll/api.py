@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 from urllib.parse import urlparse
 
-from . import config
+from . import config, default_comm
 from .backends import registry
 from .backends.registry import available_backends, register_backend
 from .communicator import Communicator
@@ -111,7 +112,7 @@ def _resolve_url(url: str, env: LaunchEnv) -> str:
 def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
          world_size: Optional[int] = None, url: Optional[str] = None,
          timeout: Optional[float] = None, store=None, device: Optional[int] = None,
-         transport: Optional[str] = None) -> Communicator:
+         transport: Optional[str] = None, set_default: bool = True) -> Communicator:
     """Create the communicator of this job.
 
     Args:
@@ -127,6 +128,12 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
             modulo the number of GPUs).
         transport: CPU backend: how to reach peers, "auto", "tcp" or "unix" (default
             GPUCOLL_TRANSPORT; see ``gpucoll.transports.select``).
+        set_default: make the communicator the default one (``gpucoll.get_rank()``,
+            ``gpucoll.default()``...; see ``gpucoll.default_comm``).
+
+    With no launcher variables and no rank or size given, the world is this process alone:
+    rank 0 of 1 on the CPU backend (for backend "auto"), with one line on stderr saying so
+    (GPUCOLL_QUIET=1 silences it). A world of one needs no URL.
 
     Returns:
         A ``Communicator``.
@@ -142,12 +149,16 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         comm = gpucoll.init(backend="cpu", rank=r, world_size=2, url="tcp://127.0.0.1:29500")
     """
     log.setLevel(config.get("GPUCOLL_LOG_LEVEL").upper())
-    for name in config.unknown_names():
-        warnings.warn(f"unknown environment variable {name} (not a gpucoll setting; typo?)",
-                      stacklevel=2)
+    for message in config.unknown_name_warnings():
+        warnings.warn(message, stacklevel=2)
     env = detect_environment()
+    alone = rank is None and world_size is None and env.source == "none"
     rank = env.rank if rank is None else rank
     world_size = env.world_size if world_size is None else world_size
+    if alone:
+        rank, world_size = 0, 1
+    elif rank is None and world_size is not None and int(world_size) == 1:
+        rank = 0
     if rank is None or world_size is None:
         raise ValueError("init(): rank and world_size are unknown; run under `gpucoll run`, "
                          "torchrun, mpiexec or srun, or pass rank= and world_size=")
@@ -158,7 +169,13 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     if not timeout > 0:
         raise ValueError(f"init(): timeout must be positive, got {timeout}")
 
+    if alone and (backend or config.get("GPUCOLL_BACKEND")).lower() == "auto":
+        backend = "cpu"
     backend = resolve_backend(backend, env.local_size if env.world_size == world_size else None)
+    if alone and not config.get("GPUCOLL_QUIET"):
+        sys.stderr.write(f"gpucoll: no launcher found (no RANK/WORLD_SIZE, Slurm, Open MPI or "
+                         f"PMI variables): running as rank 0 of 1 on the {backend} backend "
+                         f"(GPUCOLL_QUIET=1 hides this line)\n")
     spec = registry.get_backend(backend)
     options = {name: value for name, value in (("device", device), ("transport", transport))
                if value is not None}
@@ -175,7 +192,12 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
                             owns_store=False, **options)
     url = url or config.get("GPUCOLL_INIT_URL")
     owns_store = store is None
-    if store is None:
+    if store is None and world_size == 1 and url.startswith("env://") and (
+            env.master_addr is None or env.master_port is None):
+        from .rendezvous.memory_store import MemoryStore
+
+        store, url = MemoryStore(timeout), "memory:// (a world of one)"
+    elif store is None:
         url = _resolve_url(url, env)
         store = _connect(url, rank, world_size, timeout, token)
     generation = store.add(f"gpucoll/generation/{rank}", 1)
@@ -184,11 +206,16 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     log.info("rank %d of %d: backend %s, store %s, comm %s", rank, world_size, backend,
              url if owns_store else type(store).__name__, common["comm_id"])
     try:
-        return spec.factory(store, rank, world_size, **common, **options)
-    except BaseException:
+        comm = spec.factory(store, rank, world_size, **common, **options)
+    except BaseException as exc:
         if owns_store:
             store.close()
+        if isinstance(exc, CommTimeoutError):
+            exc.add_limit(timeout)
         raise
+    if set_default:
+        default_comm.set_default(comm)
+    return comm
 
 
 def _connect(url: str, rank: int, world_size: int, timeout: float, token: str):
@@ -211,7 +238,8 @@ def _connect(url: str, rank: int, world_size: int, timeout: float, token: str):
     except (CommTimeoutError, StoreError) as exc:
         raise CommTimeoutError(
             f"rank {rank}: cannot reach the rendezvous store at {url} within {timeout:g} s "
-            f"(rank 0 or the launcher serves it): {exc}", rank=rank, op="init") from None
+            f"(rank 0 or the launcher serves it): {exc}", rank=rank, op="init",
+            limit=timeout) from None
     if serve:
         server = getattr(store, "server", None)
         if server is not None:

@@ -13,12 +13,14 @@ Values are read at call time, so a test (or a launcher) can set a variable and t
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-__all__ = ["Setting", "SETTINGS", "parse_bytes", "get", "get_raw", "is_set", "unknown_names", "markdown_table"]
+__all__ = ["Setting", "SETTINGS", "parse_bytes", "set_default", "get", "get_raw", "is_set",
+           "unknown_names", "closest_name", "unknown_name_warnings", "markdown_table"]
 
 
 def _parse_bool(text: str) -> bool:
@@ -129,6 +131,9 @@ _GPUCOLL = [
             "rank 0 does not start one."),
     Setting("GPUCOLL_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "Level of the `gpucoll` logger."),
+    Setting("GPUCOLL_QUIET", _parse_bool, False,
+            "Do not print the one line `init()` writes to stderr when it finds no launcher and "
+            "runs as a world of one (rank 0 of 1, CPU backend)."),
     Setting("GPUCOLL_DEVICE", int, None,
             "NCCL backend: the GPU this rank uses. Default: the local rank modulo the number of "
             "visible GPUs."),
@@ -170,13 +175,27 @@ _LAUNCHERS = [
     Setting("PMI_SIZE", int, None, "Number of ranks under MPICH (PMI).", "pmi"),
     Setting("MPI_LOCALRANKID", int, None, "Rank on this host under MPICH (Hydra).", "pmi"),
     Setting("MPI_LOCALNRANKS", int, None, "Ranks on this host under MPICH (Hydra).", "pmi"),
-    # NCCL's own variable, read (never set) to decide whether backend "auto" may put several
-    # local ranks on one GPU
+    # NCCL's own variables: NCCL_MULTI_RANK_GPU_ENABLE is read to decide whether backend "auto"
+    # may put several local ranks on one GPU; NCCL_RUNTIME_CONNECT is given a default
     Setting("NCCL_MULTI_RANK_GPU_ENABLE", _parse_bool, False,
             "NCCL >= 2.30: allow several ranks on one GPU (experimental).", "nccl"),
+    Setting("NCCL_RUNTIME_CONNECT", str, None,
+            "NCCL: `1` connects peers lazily inside the first call that needs them (NCCL's "
+            "default); `0` at communicator creation. The NCCL backend sets `0` when unset, so a "
+            "missing peer shows at `init()`, within the timeout.", "nccl"),
 ]
 
 SETTINGS: Dict[str, Setting] = {s.name: s for s in _GPUCOLL + _LAUNCHERS}
+
+
+def set_default(name: str, value: str) -> bool:
+    """Give a declared variable a value in this process's environment unless it is set, for
+    libraries that read it themselves (NCCL). Returns whether it was set now."""
+    _lookup(name)
+    if name in os.environ:
+        return False
+    os.environ[name] = str(value)
+    return True
 
 
 def _lookup(name: str) -> Setting:
@@ -219,6 +238,26 @@ def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[str]:
     """GPUCOLL_* variables in the environment that no setting declares (likely typos)."""
     env = os.environ if environ is None else environ
     return sorted(k for k in env if k.startswith("GPUCOLL_") and k not in SETTINGS)
+
+
+def closest_name(name: str) -> Optional[str]:
+    """The declared GPUCOLL_* setting ``name`` most likely misspells, or None."""
+    prefix = "GPUCOLL_"
+    suffixes = {s.name[len(prefix):]: s.name for s in _GPUCOLL}  # the shared prefix says nothing
+    typed = name[len(prefix):] if name.startswith(prefix) else name
+    found = difflib.get_close_matches(typed.upper(), list(suffixes), n=1, cutoff=0.6)
+    return suffixes[found[0]] if found else None
+
+
+def unknown_name_warnings(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """One message per unknown GPUCOLL_* variable, suggesting the closest real name."""
+    messages = []
+    for name in unknown_names(environ):
+        suggestion = closest_name(name)
+        hint = f"did you mean {suggestion}?" if suggestion else \
+            "`python -m gpucoll.config` lists the settings"
+        messages.append(f"unknown environment variable {name} (not a gpucoll setting; {hint})")
+    return messages
 
 
 def markdown_table() -> str:

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import BackendUnavailableError
 
-__all__ = ["load", "fix_hint", "device_count", "nccl_version_code", "nccl_unavailable_reason",
+__all__ = ["load", "cupy_module", "fix_hint", "device_count", "nccl_version_code", "nccl_unavailable_reason",
            "gpu_unavailable_reason", "gpu_inventory", "decode_nccl_version", "cuda_version_text",
            "version_tuple", "normalize_name", "is_cupy_distribution", "cupy_cuda_major",
            "nccl_cuda_major", "installed_distributions", "wheel_clashes", "nccl_fix_hint",
@@ -330,6 +330,16 @@ def load() -> Tuple[Any, Any]:
             f"Fix: {fix_hint()}")
     _LOADED = (cupy, nccl)
     return _LOADED
+
+
+def cupy_module() -> Any:
+    """CuPy itself (the module :func:`load` was handed, when it was), without needing NCCL:
+    for staging device arrays through host memory. Raises ImportError without CuPy."""
+    if _LOADED is not None:
+        return _LOADED[0]
+    import cupy
+
+    return cupy
 
 
 def fix_hint() -> str:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 __all__ = ["pack", "unpack", "bucket_offsets", "bfloat16", "SUPPORTED_PAIRS", "kernel_source",
-           "MAX_ARRAYS_PER_LAUNCH", "TILE_ELEMS"]
+           "compile_request", "launch_plan", "work_tables", "MAX_ARRAYS_PER_LAUNCH", "TILE_ELEMS"]
 
 try:  # NumPy has no bfloat16; ml_dtypes (a JAX dependency) provides one
     import ml_dtypes as _ml_dtypes
@@ -53,6 +53,8 @@ MAX_BLOCKS_PER_LAUNCH = 2 ** 31 - 1
 #: Elements one thread block copies (a multiple of 16, so every vector width divides it).
 TILE_ELEMS = 4096
 THREADS_PER_BLOCK = 256
+#: Options the loader gives NVRTC (through ``cupy.RawModule``).
+NVRTC_OPTIONS = ("--std=c++14",)
 
 _C_TYPES = {"float32": "float", "float64": "double", "float16": "gpucoll::f16_t",
             "bfloat16": "gpucoll::bf16_t"}
@@ -151,6 +153,9 @@ def _check_flag(found_inf: Any, bucket: Any) -> None:
     if _dtype_name(found_inf.dtype) != "int32" or found_inf.size < 1:
         raise TypeError(f"found_inf must be an int32 array of at least one element, got dtype "
                         f"{found_inf.dtype} and size {found_inf.size}")
+    if _is_cupy(bucket) and found_inf.device.id != bucket.device.id:
+        raise ValueError(f"found_inf is on device {found_inf.device.id}, the bucket on device "
+                         f"{bucket.device.id}")
 
 
 # ---------------------------------------------------------------------------- public API
@@ -278,15 +283,23 @@ def _template_name(name: str, array_dtype: str, bucket_dtype: str) -> str:
     return f"gpucoll_{name}<{_C_TYPES[src]}, {_C_TYPES[dst]}>"
 
 
+def compile_request(name: str, array_dtype: str,
+                    bucket_dtype: str) -> Tuple[str, Tuple[str, ...], str]:
+    """What the loader hands ``cupy.RawModule`` for one kernel and dtype pair: ``(source,
+    options, name expression)``. CuPy appends its own options (``-ftz=true`` among them) after
+    these; the kernels keep subnormals regardless (see ``kernels/common.cuh``)."""
+    _check_pair(array_dtype, bucket_dtype)
+    return kernel_source(name), NVRTC_OPTIONS, _template_name(name, array_dtype, bucket_dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(device_id: int, name: str, array_dtype: str, bucket_dtype: str):
     """Compiled kernel for one device and dtype pair (memoized: compiled once)."""
     import cupy
 
-    expression = _template_name(name, array_dtype, bucket_dtype)
+    source, options, expression = compile_request(name, array_dtype, bucket_dtype)
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=kernel_source(name), options=("--std=c++14",),
-                                name_expressions=[expression])
+        module = cupy.RawModule(code=source, options=options, name_expressions=[expression])
         return module.get_function(expression)
 
 
@@ -309,27 +322,37 @@ def launch_plan(sizes: Sequence[int], tile: int = TILE_ELEMS) -> List[Tuple[int,
     return plan
 
 
+def work_tables(pointers: Sequence[int], offsets: Sequence[int],
+                sizes: Sequence[int]) -> Iterator[Tuple[int, int, np.ndarray]]:
+    """The launches for arrays at ``pointers`` (addresses): ``(number of arrays, grid, work
+    table)`` per launch, the int64 table laid out as ``kernels/common.cuh`` describes; launches
+    of zero-length arrays only are left out."""
+    pointers_np = np.asarray(pointers, dtype=np.uint64).view(np.int64)
+    offsets_np = np.asarray(offsets, dtype=np.int64)
+    sizes_np = np.asarray(sizes, dtype=np.int64)
+    for first, stop, block_start in launch_plan(sizes):
+        grid = int(block_start[-1])
+        if grid == 0:
+            continue
+        yield stop - first, grid, np.concatenate((pointers_np[first:stop],
+                                                  offsets_np[first:stop], sizes_np[first:stop],
+                                                  block_start))
+
+
 def _launch(name: str, arrays: Sequence[Any], bucket: Any, offsets: List[int], sizes: List[int],
             array_dtype: str, scale: float, found_inf: Any) -> None:
     import cupy
 
     bucket_dtype = _dtype_name(bucket.dtype)
     kernel = _kernel(bucket.device.id, name, array_dtype, bucket_dtype)
-    pointers = np.array([array.data.ptr for array in arrays], dtype=np.uint64).view(np.int64)
-    offsets_np = np.asarray(offsets, dtype=np.int64)
-    sizes_np = np.asarray(sizes, dtype=np.int64)
-    if found_inf is None and name == "bucket_unpack":
-        flag, check = cupy.zeros(1, dtype=np.int32), 0
-    else:
-        flag, check = found_inf, 1
-    with bucket.device:
-        for first, stop, block_start in launch_plan(sizes):
-            grid = int(block_start[-1])
-            if grid == 0:
-                continue  # only zero-length arrays
-            table = cupy.asarray(np.concatenate((pointers[first:stop], offsets_np[first:stop],
-                                                 sizes_np[first:stop], block_start)))
-            args = [table, np.int32(stop - first), np.int64(TILE_ELEMS), bucket,
+    pointers = [array.data.ptr for array in arrays]
+    with bucket.device:  # every allocation and launch below on the bucket's GPU
+        if found_inf is None and name == "bucket_unpack":
+            flag, check = cupy.zeros(1, dtype=np.int32), 0  # never written (check == 0)
+        else:
+            flag, check = found_inf, 1
+        for n_arrays, grid, table in work_tables(pointers, offsets, sizes):
+            args = [cupy.asarray(table), np.int32(n_arrays), np.int64(TILE_ELEMS), bucket,
                     np.float64(scale)]
             if name == "bucket_unpack":
                 args += [np.int32(check), flag]

@@ -187,6 +187,17 @@ def host_report(nbytes: int = 64 << 20, quick: bool = False) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------- GPUs (CuPy, NVML)
+#: NVML's nvmlNvlinkVersion_t (what nvmlDeviceGetNvLinkVersion returns) -> NVLink version:
+#: A100 links report 4 (NVLink 3.0), H100 6 (NVLink 4.0), B200 7 (NVLink 5.0).
+NVLINK_VERSIONS = {1: "1.0", 2: "2.0", 3: "2.2", 4: "3.0", 5: "3.1", 6: "4.0", 7: "5.0",
+                   8: "6.0"}
+
+
+def nvlink_version_name(nvml_enum: int) -> str:
+    """The NVLink version ("4.0") of NVML's version enum (6), or what NVML said if unknown."""
+    return NVLINK_VERSIONS.get(int(nvml_enum), f"unknown (NVML version enum {nvml_enum})")
+
+
 def _nvml_links(bus_id: str) -> Dict[str, Any]:
     """NVLink count and version and PCIe link through NVML (``pynvml``), when installed."""
     try:
@@ -213,7 +224,8 @@ def _nvml_links(bus_id: str) -> Dict[str, Any]:
             except pynvml.NVMLError:
                 break
         out["nvlink_count"] = links
-        out["nvlink_version"] = max(versions) if versions else None
+        out["nvlink_version"] = nvlink_version_name(max(versions)) if versions else None
+        out["nvlink_nvml_enum"] = max(versions) if versions else None
         return out
     except Exception as exc:  # NVML missing from the driver, or no permission
         return {"nvml": f"NVML unavailable ({type(exc).__name__}: {exc})"}
@@ -334,7 +346,7 @@ def format_report(doc: Dict[str, Any]) -> str:
         gpu = doc["gpu"]
         lines.append(f"# {len(gpu['devices'])} GPU(s)")
         for d in gpu["devices"]:
-            nvlink = (f"NVLink {d['nvlink_count']} link(s) v{d['nvlink_version']}"
+            nvlink = (f"NVLink {d['nvlink_version']}, {d['nvlink_count']} link(s)"
                       if d.get("nvlink_count") else f"NVLink: {'none' if 'nvlink_count' in d else d.get('nvml')}")
             lines.append(f"GPU {d['index']}: {d['name']}  bus {d['pci_bus_id']}  NUMA {d['numa_node']}  "
                          f"{d['memory_bytes'] / 2**30:.1f} GiB  cc {d['compute_capability']}  "

@@ -67,7 +67,9 @@ class Work:
         limit = self._default_timeout if timeout is None else timeout
         if not self._done.wait(limit):
             message = (f"rank {self.rank}: wait() on {self.op} #{self.seq} timed out after "
-                       f"{limit:g} s")
+                       f"{limit:g} s" + ("" if timeout is not None else
+                                         " (wait(timeout=) sets the limit; its default follows "
+                                         "GPUCOLL_TIMEOUT or init(timeout=))"))
             if self._on_timeout is not None:
                 self._on_timeout(message)
             raise CommTimeoutError(message, rank=self.rank, op=self.op, seq=self.seq)

@@ -25,7 +25,7 @@ gpucoll_bucket_pack(const long long* __restrict__ table, int n_arrays, long long
   const long long count = table[2 * static_cast<long long>(n_arrays) + a];
   gpucoll::copy_tile<Src, Dst, false>(src, dst, count, block - block_start[a],
                                       block_start[a + 1] - block_start[a], tile,
-                                      static_cast<C>(scale));
+                                      gpucoll::scale_as<C>(scale));
 }
 
 #ifdef GPUCOLL_INSTANTIATE_ALL  // offline compile checks; the loader instantiates on demand

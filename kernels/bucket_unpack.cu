@@ -30,12 +30,13 @@ gpucoll_bucket_unpack(const long long* __restrict__ table, int n_arrays, long lo
   const long long nblocks = block_start[a + 1] - block_start[a];
   if (check) {
     if (gpucoll::copy_tile<Src, Dst, true>(src, dst, count, k, nblocks, tile,
-                                           static_cast<C>(scale)) &&
+                                           gpucoll::scale_as<C>(scale)) &&
         threadIdx.x == 0) {
       *found_inf = 1;
     }
   } else {
-    gpucoll::copy_tile<Src, Dst, false>(src, dst, count, k, nblocks, tile, static_cast<C>(scale));
+    gpucoll::copy_tile<Src, Dst, false>(src, dst, count, k, nblocks, tile,
+                                        gpucoll::scale_as<C>(scale));
   }
 }
 

@@ -3,7 +3,7 @@
 // * dtype tags for the 16-bit floats (raw bits; conversions are written out here, so the
 //   sources need no CUDA headers and compile the same under nvcc and NVRTC),
 // * conversions to and from the compute type (float, or double when either side is double),
-//   rounding to nearest even, subnormals kept (no flush to zero),
+//   rounding to nearest even, subnormals kept (no flush to zero; see "PTX primitives" below),
 // * the work table lookup and the per-tile copy loop shared by pack and unpack.
 //
 // Work table (int64, 4 * n + 1 entries, device memory), for n arrays in one launch:
@@ -16,6 +16,59 @@
 #pragma once
 
 namespace gpucoll {
+
+// PTX primitives. CuPy appends -ftz=true after the caller's options on every NVRTC compile, and
+// the last flag wins: a plain float multiply, __fmul_rn or a double -> float cast would then
+// compile to .ftz instructions and flush float32 / bfloat16 subnormals to zero. Written in PTX
+// without .ftz they keep subnormals whatever the flags (a test checks the PTX has no .ftz), and
+// mul.rn is never contracted into an FMA. The bit views are PTX moves so that the optimizer
+// cannot turn the integer tests on them back into (.ftz) float compares. The host build of
+// these sources (the tests' kernel emulation) defines GPUCOLL_HOST_EMULATION and brings C++
+// definitions of the same functions; nvcc and NVRTC never see that macro.
+#ifndef GPUCOLL_HOST_EMULATION
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ double mul_rn(double a, double b) {
+  double r;
+  asm("mul.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(a), "d"(b));
+  return r;
+}
+__device__ __forceinline__ float f32_from_f64(double v) {
+  float r;
+  asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(v));
+  return r;
+}
+__device__ __forceinline__ float f32_from_f16(unsigned short bits) {
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(bits));
+  return r;
+}
+__device__ __forceinline__ unsigned short f16_from_f32(float v) {
+  unsigned short r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ unsigned bits_of(float v) {
+  unsigned r;
+  asm("mov.b32 %0, %1;" : "=r"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ unsigned long long bits_of(double v) {
+  unsigned long long r;
+  asm("mov.b64 %0, %1;" : "=l"(r) : "d"(v));
+  return r;
+}
+#endif
+
+// The kernels' double `scale` argument in the compute type.
+template <typename C> __device__ __forceinline__ C scale_as(double scale);
+template <> __device__ __forceinline__ float scale_as<float>(double scale) {
+  return f32_from_f64(scale);
+}
+template <> __device__ __forceinline__ double scale_as<double>(double scale) { return scale; }
 
 struct bf16_t { unsigned short bits; };
 struct f16_t { unsigned short bits; };
@@ -39,7 +92,7 @@ template <> struct convert<float, bf16_t> {
     return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
   }
   static __device__ __forceinline__ bf16_t from(float v) {
-    unsigned u = __float_as_uint(v);
+    unsigned u = bits_of(v);
     bf16_t r;
     if ((u & 0x7fffffffu) > 0x7f800000u) {
       r.bits = static_cast<unsigned short>((u >> 16) | 0x0040u);  // quiet NaN, sign kept
@@ -51,24 +104,19 @@ template <> struct convert<float, bf16_t> {
   }
 };
 template <> struct convert<float, f16_t> {
-  static __device__ __forceinline__ float to(f16_t v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
-    return f;
-  }
+  static __device__ __forceinline__ float to(f16_t v) { return f32_from_f16(v.bits); }
   static __device__ __forceinline__ f16_t from(float v) {
     f16_t r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+    r.bits = f16_from_f32(v);
     return r;
   }
 };
 
 __device__ __forceinline__ bool is_finite(float v) {
-  return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+  return (bits_of(v) & 0x7f800000u) != 0x7f800000u;
 }
 __device__ __forceinline__ bool is_finite(double v) {
-  return (static_cast<unsigned long long>(__double_as_longlong(v)) & 0x7ff0000000000000ull) !=
-         0x7ff0000000000000ull;
+  return (bits_of(v) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
 }
 
 template <typename T, int N> struct alignas(sizeof(T) * N) vec_t { T v[N]; };
@@ -127,18 +175,18 @@ __device__ __forceinline__ bool copy_tile(const In* __restrict__ in, Out* __rest
       vec_t<Out, VEC> b;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        b.v[j] = convert<C, Out>::from(convert<C, In>::to(a.v[j]) * scale);
+        b.v[j] = convert<C, Out>::from(mul_rn(convert<C, In>::to(a.v[j]), scale));
         if (kCheck) bad |= !is_finite(convert<C, Out>::to(b.v[j]));
       }
       vout[i] = b;
     }
   }
   for (long long i = scalar_from + threadIdx.x; i < scalar_to; i += blockDim.x) {
-    out[i] = convert<C, Out>::from(convert<C, In>::to(in[i]) * scale);
+    out[i] = convert<C, Out>::from(mul_rn(convert<C, In>::to(in[i]), scale));
     if (kCheck) bad |= !is_finite(convert<C, Out>::to(out[i]));
   }
   for (long long i = tail_from + threadIdx.x; i < end; i += blockDim.x) {
-    out[i] = convert<C, Out>::from(convert<C, In>::to(in[i]) * scale);
+    out[i] = convert<C, Out>::from(mul_rn(convert<C, In>::to(in[i]), scale));
     if (kCheck) bad |= !is_finite(convert<C, Out>::to(out[i]));
   }
   if (kCheck) return __syncthreads_or(bad) != 0;

@@ -46,7 +46,7 @@ def _expected(stacked, op):
 def _check(got, expected, what, op="sum"):
     if expected.dtype.name == "bfloat16" and op == "avg":
         np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32),
-                                   rtol=1e-2, err_msg=what)
+                                   rtol=1e-2, atol=1e-2, err_msg=what)
         assert got.dtype == expected.dtype
         return
     assert_equal_result(got, expected, what, op)

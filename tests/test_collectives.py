@@ -402,3 +402,23 @@ def test_split_and_new_group(pool):
         assert info["halves"] == (half.index(r), len(half), half)
         assert info["none"] == (None if r == 0 else n - 1)
         assert info["after"] == [float(n)] * 2
+
+
+def rank_split_bad_input(comm, arr):
+    for kwargs, error, text in (({"color": 2**31}, ValueError, "color=2147483648 is too large"),
+                                ({"color": 0, "key": 2**31}, ValueError, "key=2147483648 is out"),
+                                ({"color": 0, "key": -2**31 - 1}, ValueError, "is out of range"),
+                                ({"color": "x"}, TypeError, "color must be an int"),
+                                ({"color": 0, "key": 1.5}, TypeError, "key must be an int")):
+        with pytest.raises(error, match=text):
+            comm.split(**kwargs)
+    # nothing was sent: the extremes that fit, then the communicator, still work
+    part = comm.split(color=2**31 - 1, key=-2**31)
+    x = arr.dev(np.ones(3))
+    part.all_reduce(x)
+    part.close()
+    return arr.host(x).tolist()
+
+
+def test_split_refuses_colors_and_keys_out_of_range(pool):
+    assert pool.run(rank_split_bad_input) == [[float(pool.world_size)] * 3] * pool.world_size

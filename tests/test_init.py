@@ -46,7 +46,7 @@ def test_detect_environment(env, expected):
 
 def test_init_without_launcher_info_explains():
     with pytest.raises(ValueError, match="rank and world_size are unknown"):
-        api.init(backend="cpu", url="tcp://127.0.0.1:1")
+        api.init(backend="cpu", world_size=2, url="tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="rank=2 is out of range for world_size=2"):
         api.init(backend="cpu", rank=2, world_size=2, url="tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="unknown backend 'gloo'"):
@@ -65,8 +65,9 @@ def test_unknown_variable_warns(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ValueError):
-            api.init(backend="cpu")
-    assert any("GPUCOLL_TIMOUT" in str(w.message) for w in caught)
+            api.init(backend="cpu", world_size=2)
+    assert any("GPUCOLL_TIMOUT" in str(w.message) and "did you mean GPUCOLL_TIMEOUT?"
+               in str(w.message) for w in caught)
 
 
 def _launcher_env(launcher, rank, port):

@@ -234,7 +234,10 @@ def test_kernel_sources_are_found_and_inline_the_header():
 
 
 def test_packaging_lists_every_package_and_ships_kernels():
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the test extra installs tomli
+        import tomli as tomllib
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
         setuptools_cfg = tomllib.load(handle)["tool"]["setuptools"]
@@ -247,16 +250,18 @@ def test_packaging_lists_every_package_and_ships_kernels():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
 @pytest.mark.parametrize("name", ["bucket_pack", "bucket_unpack"])
 def test_kernels_compile_with_nvcc(tmp_path, name, arch):
+    """Offline compile of every instantiation, with -ftz=true as CuPy adds it: still no .ftz."""
     ptx = tmp_path / f"{name}.ptx"
-    subprocess.run(["nvcc", "-ptx", f"-arch={arch}", "-DGPUCOLL_INSTANTIATE_ALL",
+    subprocess.run(["nvcc", "-ptx", f"-arch={arch}", "-ftz=true", "-DGPUCOLL_INSTANTIATE_ALL",
                     os.path.join(ROOT, "kernels", name + ".cu"), "-o", str(ptx)],
                    check=True, capture_output=True, timeout=120)
     text = ptx.read_text()
     assert text.count(".entry _Z") >= 6, "one entry point per dtype pair"
     assert "v4.f32" in text and "v2.f64" in text, "16-byte vector accesses were generated"
+    assert ".ftz" not in text, "flush-to-zero instructions would drop subnormals"
 
 
 # ------------------------------------------------------------------------------ CUDA path
@@ -346,3 +351,55 @@ def test_gpu_kernels_compiled_once_per_device_and_pair():
         kernels.pack([cupy.ones(10, cupy.float32)], cupy.zeros(10, cupy.float16))
         kernels.unpack(cupy.zeros(10, cupy.float16), [cupy.ones(10, cupy.float32)])
     assert kernels._kernel.cache_info().currsize == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_gpu_keeps_subnormals(wire):
+    """CuPy compiles with -ftz=true; the kernels must still keep float32 / bfloat16 subnormals."""
+    cupy = _cupy()
+    wire = _gpu_dtype(wire)
+    values = np.array([2.0 ** -149, 2.0 ** -133, -(2.0 ** -130), 3 * 2.0 ** -133, 2.0 ** -127,
+                       -1.0e-39, 1.0], np.float32)
+    for scale in (1.0, 0.5):
+        bucket = kernels.pack([cupy.asarray(values)], cupy.zeros(values.size, wire), scale=scale)
+        expected = ref_pack([values], np.zeros(values.size, wire), None, scale)
+        assert np.count_nonzero(expected.astype(np.float32)) >= 4
+        assert_same(cupy.asnumpy(bucket), expected)
+        out = cupy.zeros(values.size, cupy.float32)
+        kernels.unpack(bucket, [out], scale=0.5)
+        assert_same(cupy.asnumpy(out), ref_unpack(expected, [values], None, 0.5)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_bucketer_allocates_on_the_gradients_device():
+    """Buckets, the unpack flag and found_inf live on the gradients' GPU, not the current one."""
+    cupy = _cupy()
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    from gpucoll.ddp import Bucketer
+
+    class OneRank:  # the Communicator surface Bucketer uses, for one rank
+        size = 1
+
+        def all_reduce(self, x, async_op=False):
+            class Done:
+                def wait(self):
+                    pass
+            return Done()
+
+    with cupy.cuda.Device(1):
+        grads = [cupy.full(1000, 2.0, cupy.float32), cupy.full(10, 3.0, cupy.float32)]
+    with cupy.cuda.Device(0):  # current device differs from the gradients'
+        bucketer = Bucketer(OneRank(), grads, compression="bf16")
+        out = bucketer.reduce(grads, loss_scale=2.0)
+        assert bucketer.found_inf.device.id == 1 and not bucketer.found_nonfinite()
+        assert all(b.buffer.device.id == 1 for b in bucketer._buckets)
+    np.testing.assert_array_equal(cupy.asnumpy(out[0]), np.full(1000, 1.0, np.float32))
+    np.testing.assert_array_equal(cupy.asnumpy(out[1]), np.full(10, 1.5, np.float32))
+    with cupy.cuda.Device(0):
+        flag_on_0 = cupy.zeros(1, cupy.int32)
+    with cupy.cuda.Device(1):
+        bucket = cupy.ones(10, cupy.float32)
+    with pytest.raises(ValueError, match="found_inf is on device 0"):
+        kernels.unpack(bucket, [grads[1]], found_inf=flag_on_0)

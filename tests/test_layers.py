@@ -1,6 +1,6 @@
 """The package's layers import downward only, and no module imports its way back to itself.
 
-Layers, lowest first: basics (errors, types, config, auth, work, communicator, the CUDA/NCCL
+Layers, lowest first: basics (errors, types, config, auth, work, communicator and its helpers, the CUDA/NCCL
 probe, the kernel loader, the CLI helpers) -> rendezvous -> transports -> algorithms ->
 backends -> api -> what sits on top (launcher, bench, topo, doctor, cli, training helpers,
 examples). Every import counts, also the ones inside functions.
@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gpucoll"
 
 LAYERS = {
     "errors": 0, "types": 0, "config": 0, "auth": 0, "work": 0, "communicator": 0,
-    "cuda_env": 0, "kernels": 0, "cliutil": 0, "hostarrays": 0,
+    "cuda_env": 0, "kernels": 0, "cliutil": 0, "hostarrays": 0, "objects": 0, "composite": 0,
+    "default_comm": 0,
     "rendezvous": 1, "transports": 2, "algorithms": 3, "backends": 4, "api": 5,
 }
 TOP = 6  # launch, perf, topo, doctor, cli, ddp, tp, ps, examples, __main__

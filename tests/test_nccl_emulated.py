@@ -4,8 +4,8 @@ reductions and data movement for every dtype, point-to-point, arrays handed back
 Ranks are threads; each builds its communicator with ``gpucoll.init(backend="nccl")`` through a
 file store. What is tested is gpucoll's own bookkeeping: how arguments become NCCL calls, the
 pointer arithmetic of gather / scatter / all_to_all, which array comes back. Real NCCL on a
-real GPU is tested by tests/test_nccl_gpu.py; faults, streams and the watchdog by
-tests/test_nccl_emulated_faults.py.
+real GPU is tested by tests/test_nccl_gpu.py; faults and the watchdog by
+tests/test_nccl_emulated_faults.py, Work and streams by tests/test_nccl_emulated_streams.py.
 """
 
 import sys
@@ -362,6 +362,48 @@ def test_arrays_that_cannot_be_used(run, emu):
         return True
 
     assert run(1, fn) == [True]
+
+
+class _TorchBFloat16Like(_OnlyDLPack):
+    """What torch hands out for a bfloat16 CUDA tensor: DLPack with the real dtype, and a
+    ``__cuda_array_interface__`` whose typestr is ``"<V2"`` with no ``descr`` (CuPy reads that
+    as a 2-byte void)."""
+
+    @property
+    def __cuda_array_interface__(self):
+        interface = dict(self._array.__cuda_array_interface__)
+        interface["typestr"] = "<V2"
+        interface.pop("descr", None)
+        return interface
+
+
+@pytest.mark.skipif(not HAVE_BFLOAT16, reason="ml_dtypes is not installed")
+def test_bfloat16_tensors_come_in_through_dlpack(run, emu):
+    cp = emu.cupy
+
+    def fn(comm):
+        x = cp.asarray(np.full(6, comm.rank + 1.5, dtype=_dtype("bfloat16")))
+        tensor = _TorchBFloat16Like(x)
+        assert cp.asarray(tensor).dtype.kind == "V"  # the interface alone would be refused
+        result = comm.all_reduce(tensor)
+        assert result is tensor and x.dtype == _dtype("bfloat16")
+        return x.get().astype(np.float32)
+
+    results = run(2, fn)
+    for got in results:
+        np.testing.assert_array_equal(got, np.full(6, 4.0, np.float32))
+
+
+def test_cuda_managed_memory_through_dlpack_is_accepted(run, emu):
+    cp = emu.cupy
+
+    def fn(comm):
+        x = cp.arange(5, dtype=cp.float32)
+        comm.all_reduce(_OnlyDLPack(x, device=(13, comm.device)))  # kDLCUDAManaged
+        return x.get()
+
+    for got in run(2, fn):
+        np.testing.assert_array_equal(got, 2 * np.arange(5, dtype=np.float32))
 
 
 # ---------------------------------------------------------------- usage errors

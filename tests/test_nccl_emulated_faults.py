@@ -1,5 +1,5 @@
-"""The NCCL backend over the CUDA emulation (tests/emulated_cuda/): Work and streams, the
-watchdog, GPUCOLL_DEBUG, split, lifetime, timeouts, and the emulation's own checks.
+"""The NCCL backend over the CUDA emulation (tests/emulated_cuda/): the watchdog,
+GPUCOLL_DEBUG, split, lifetime, timeouts, and the emulation's own checks.
 
 Ranks are threads (see tests/nccl_emulated_harness.py). Real NCCL on a real GPU is tested by
 tests/test_nccl_gpu.py.
@@ -12,128 +12,12 @@ import numpy as np
 import pytest
 
 import gpucoll
-from gpucoll.backends.nccl import CudaWork
 from gpucoll.errors import CollectiveMismatchError, CommAbortedError, CommTimeoutError
 
 from emulated_cuda import NcclError
 from nccl_emulated_harness import _calls, _Foreign, _wait_until, emu, run  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
-
-
-# ---------------------------------------------------------------- Work and streams
-class _TorchLikeStream:
-    def __init__(self, ptr):
-        self.cuda_stream = ptr
-
-
-class _ProtocolStream:
-    def __init__(self, ptr):
-        self._ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self._ptr)
-
-
-def test_async_work_follows_its_stream(run, emu):
-    cp = emu.cupy
-
-    def fn(comm):
-        producer = cp.cuda.Stream(non_blocking=True)
-        consumer = cp.cuda.Stream(non_blocking=True)
-        x = cp.arange(8, dtype=cp.float32)
-        emu.stall(producer)
-        work = comm.all_reduce(x, "max", async_op=True, stream=producer)
-        assert isinstance(work, CudaWork) and isinstance(work, gpucoll.Work)
-        assert (work.op, work.seq) == ("all_reduce", 1)
-        assert not work.is_completed() and work.exception() is None
-        assert "pending" in repr(work)
-        assert emu.pending(producer) == 2  # the all-reduce and its event
-        with consumer:
-            assert work.wait()  # the consumer stream waits; the host does not
-            after = cp.cuda.Event()
-            after.record(consumer)
-        assert not after.done  # held behind the producer's operation
-        emu.release(producer)
-        assert work.is_completed() and after.done and "done" in repr(work)
-        assert work.synchronize() and work.exception() is None
-        assert work.result() is x
-
-        with producer:  # no stream=: the current stream
-            emu.stall(producer)
-            w2 = comm.all_reduce(cp.full(4, 3.0), async_op=True)
-            assert not w2.is_completed() and emu.pending(producer) == 2
-            emu.release(producer)
-        assert w2.is_completed()
-        for given in (producer.ptr, _TorchLikeStream(producer.ptr), _ProtocolStream(producer.ptr),
-                      producer):
-            emu.stall(producer)
-            z = cp.ones(2)
-            assert comm.all_reduce(z, stream=given) is z
-            assert emu.pending(producer) == 2, given
-            emu.release(producer)
-        comm.synchronize(timeout=5)
-        assert _wait_until(lambda: comm._watchdog.outstanding() == [])  # retired by the watchdog
-        return True
-
-    assert run(1, fn) == [True]
-
-
-def test_a_held_collective_runs_when_its_stream_goes_on(run, emu):
-    cp = emu.cupy
-    releasing = threading.Event()
-
-    def fn(comm):
-        x = cp.full(4, comm.rank + 1.0)
-        if comm.rank == 0:
-            stream = cp.cuda.Stream(non_blocking=True)
-            emu.stall(stream)
-            work = comm.all_reduce(x, async_op=True, stream=stream)
-            time.sleep(0.1)
-            assert not work.is_completed()
-            np.testing.assert_array_equal(x.get(), np.full(4, 1.0))  # nothing ran yet
-            releasing.set()
-            emu.release(stream)  # runs here and meets rank 1
-            assert work.synchronize(timeout=5)
-        else:
-            comm.all_reduce(x)  # waits in the emulated NCCL for rank 0
-            assert releasing.is_set()
-        np.testing.assert_array_equal(x.get(), np.full(4, 3.0))
-        return True
-
-    assert run(2, fn) == [True, True]
-
-
-def test_synchronize_timeout_aborts_the_communicator(run, emu):
-    cp = emu.cupy
-
-    def fn(comm):
-        stream = cp.cuda.Stream(non_blocking=True)
-        x = cp.ones(4)
-        emu.stall(stream)
-        work = comm.all_reduce(x, async_op=True, stream=stream)
-        started = time.monotonic()
-        with pytest.raises(CommTimeoutError,
-                           match=r"rank 0: all_reduce #1 did not complete on GPU 0 within 0.2 s"
-                                 r"; every rank had issued it, so NCCL itself stalled.*"
-                                 r"the communicator was aborted") as info:
-            work.synchronize(timeout=0.2)
-        assert 0.2 <= time.monotonic() - started < 3
-        assert (info.value.op, info.value.seq, info.value.rank) == ("all_reduce", 1, 0)
-        assert comm.nccl_comm._status == "aborted"
-        assert work.is_completed() and isinstance(work.exception(), CommTimeoutError)
-        with pytest.raises(CommTimeoutError, match="all_reduce #1 did not complete"):
-            work.wait()
-        with pytest.raises(CommTimeoutError, match="all_reduce #1 did not complete"):
-            comm.all_reduce(x)
-        with pytest.raises(CommTimeoutError):
-            comm.barrier()
-        emu.release(stream)  # the aborted operation is dropped; nothing hangs
-        assert work.is_completed()
-        return True
-
-    assert run(1, fn) == [True]
-    assert emu.calls["abort"] == 1
 
 
 # ---------------------------------------------------------------- watchdog
@@ -597,3 +481,38 @@ def test_point_to_point_timeout_names_the_peer(run, emu):
             finished.set()
 
     assert run(2, fn) == [True, None]
+
+
+def test_a_host_call_that_blocks_in_nccl_is_bounded_by_the_watchdog(run, emu):
+    """NCCL can block the host inside a call (lazy connection to a missing peer; here the
+    emulation's lone send waits for its receive): the watchdog holds that call to the
+    communicator's timeout too, and names the op and the peer."""
+    cp = emu.cupy
+    finished = threading.Event()
+
+    def fn(comm):
+        if comm.rank == 1:
+            assert finished.wait(10)  # never receives
+            return None
+        try:
+            started = time.monotonic()
+            with pytest.raises(CommTimeoutError, match=r"rank 0: send #1 did not complete on GPU "
+                                                       r"0 within 0.5 s \(peer rank 1\)"):
+                comm.send(cp.ones(3), 1)  # blocks inside the call; emu.timeout is 5 s
+            assert time.monotonic() - started < 3
+            return True
+        finally:
+            finished.set()
+
+    assert run(2, fn, timeout=0.5) == [True, None]
+
+
+def test_peers_are_connected_at_creation_unless_the_user_says_otherwise(run, emu, monkeypatch):
+    import os
+
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
+    run(1, lambda comm: True)
+    assert os.environ["NCCL_RUNTIME_CONNECT"] == "0"
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "1")
+    run(1, lambda comm: True)
+    assert os.environ["NCCL_RUNTIME_CONNECT"] == "1"

@@ -31,7 +31,7 @@ class ToyCommunicator(Communicator):
     def __init__(self, store, rank, size, **common):
         self.rank, self.size, self.local_rank, self.local_size = rank, size, 0, 1
         self.timeout, self.common, self.store = common["timeout"], common, store
-        self.closed = False
+        self.released = False
 
     def _all_reduce(self, x, op, out, async_op, stream=None):
         if out is not None:
@@ -40,7 +40,7 @@ class ToyCommunicator(Communicator):
         return x
 
     def abort(self):
-        self.closed = True
+        self.released = True
         self.store.close()
 
     def close(self):

@@ -41,7 +41,7 @@ def test_gpu_layout_formats_matrices():
               "d2h_pageable_gbps": 9.0, "d2d_gbps": 1500.0}
     device = {"index": 0, "name": "GPU", "pci_bus_id": "0000:04:00.0", "numa_node": 0,
               "memory_bytes": 80 << 30, "compute_capability": "9.0", "pcie_gen": 5,
-              "pcie_width": 16, "nvlink_count": 18, "nvlink_version": 4, "copies": copies}
+              "pcie_width": 16, "nvlink_count": 18, "nvlink_version": "4.0", "copies": copies}
     doc = {"gpu_available": True, "gpu_unavailable_reason": None,
            "gpu": {"devices": [device, dict(device, index=1, pci_bus_id="0000:05:00.0")],
                    "bytes": 1 << 26, "peer_access": [[True, True], [True, True]],
@@ -53,9 +53,45 @@ def test_gpu_layout_formats_matrices():
                                  "tcp_latency_us": 10.0, "unix_bandwidth_gbps": 3.0,
                                  "unix_latency_us": 8.0}}}
     text = topo.format_report(doc)
-    assert "GPU 1: GPU  bus 0000:05:00.0  NUMA 0" in text and "NVLink 18 link(s) v4" in text
+    assert "GPU 1: GPU  bus 0000:05:00.0  NUMA 0" in text and "NVLink 4.0, 18 link(s)" in text
     assert "PCIe gen 5 x16" in text and "370.0" in text and "1500.0" in text
     assert "No GPU" not in text
+
+
+class _FakeNvml:
+    """pynvml with two enabled links of one NVML NVLink version enum."""
+    NVML_FEATURE_ENABLED = 1
+    NVML_NVLINK_MAX_LINKS = 4
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, version_enum):
+        self.version_enum = version_enum
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id):
+        return bus_id
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle):
+        raise self.NVMLError("not supported")
+
+    def nvmlDeviceGetNvLinkState(self, handle, link):
+        return 1 if link < 2 else 0
+
+    def nvmlDeviceGetNvLinkVersion(self, handle, link):
+        return self.version_enum
+
+
+@pytest.mark.parametrize("version_enum, name", [(4, "3.0"), (6, "4.0"), (7, "5.0"),
+                                                (99, "unknown (NVML version enum 99)")])
+def test_nvlink_version_is_named_not_nvmls_enum(monkeypatch, version_enum, name):
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(version_enum))
+    links = topo._nvml_links("0000:04:00.0")
+    assert links["nvlink_count"] == 2 and links["nvlink_version"] == name
+    assert links["nvlink_nvml_enum"] == version_enum
 
 
 @pytest.mark.parametrize("args, message", [(["--size", "1X"], "bad size"),

@@ -149,7 +149,7 @@ class CPUCommunicator(Communicator):
                 raise CommTimeoutError(
                     f"rank {self.rank}: {name} #{seq} could not start within {limit:g} s: earlier "
                     f"operations on this communicator did not finish",
-                    rank=self.rank, op=name, seq=seq)
+                    rank=self.rank, op=name, seq=seq, limit=limit)
             self._check_alive()
             return body(time.monotonic() + limit)
         except GpucollError as exc:
@@ -159,6 +159,8 @@ class CPUCommunicator(Communicator):
                 raise CommAbortedError(
                     f"rank {self.rank}: {name} #{seq} failed because the communicator was "
                     f"aborted ({self._aborted})") from exc
+            if isinstance(exc, CommTimeoutError):
+                exc.add_limit(limit)
             self._abort_with(str(exc))
             raise self._explain(exc)
         finally:
@@ -368,10 +370,10 @@ class CPUCommunicator(Communicator):
             return None
         members = sorted((int(k), r) for r, (c, k) in enumerate(table) if c == color)
         ranks = [r for _, r in members]
-        return CPUCommunicator(
+        return self._child(CPUCommunicator(
             self._root_store, ranks.index(self.rank), len(ranks),
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
-            timeout=self.timeout, owns_store=False, **self._settings)
+            timeout=self.timeout, owns_store=False, **self._settings), ranks)
 
     def abort(self) -> None:
         """Abort at once: pending and later operations raise ``CommAbortedError``."""

@@ -32,6 +32,7 @@ Errors
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
@@ -47,7 +48,7 @@ from ..types import ReduceOp
 from . import nccl_runtime, signature
 from .nccl_arrays import export_like, import_device_array, stream_pointer
 from .nccl_work import CudaWork
-from .watchdog import Pending, Watchdog
+from .watchdog import CudaFault, Pending, Watchdog, event_status
 
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
@@ -106,6 +107,10 @@ class NCCLCommunicator(Communicator):
             self._reductions: dict = {}  # (dtype, op) -> (NCCL dtype, count factor, NCCL op)
             self._barrier_buffer = cupy.zeros(1, dtype=np.int32)
             self._bytes_type = self._nccl.NCCL_UINT8
+            runtime = self._runtime
+            self._event_done = functools.partial(
+                event_status, runtime.eventQuery,
+                describe=lambda status: str(runtime.CUDARuntimeError(status)))
             self._watchdog = Watchdog(
                 rank, check_error=self._check_async_error, on_failure=self._on_watchdog,
                 publish=self._publish_progress, interval=watchdog_interval,
@@ -178,6 +183,8 @@ class NCCLCommunicator(Communicator):
             if self._failure is not None:
                 return
             error_type = CommTimeoutError if kind == "timeout" else CommAbortedError
+            if kind == "timeout":
+                message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
             self._failure = (error_type, message)
         try:
             self._store.set(f"abort/{self.rank}", message.encode())
@@ -197,6 +204,17 @@ class NCCLCommunicator(Communicator):
             message = f"rank {self.rank}: {message}"
         message += "; the communicator was aborted, create a new one"
         self._fail(kind, message, pending)
+
+    def _work_done(self, op: str, seq: int, event: Any) -> bool:
+        """Whether the GPU work before ``event`` finished; a CUDA fault fails the communicator
+        and raises its error (never reported later as a timeout)."""
+        try:
+            return self._event_done(event)
+        except CudaFault as fault:
+            self._fail("error", f"rank {self.rank}: {op} #{seq}: the GPU reported {fault} (CUDA "
+                                f"error {fault.status}); the communicator was aborted, create "
+                                f"a new one", None)
+            raise self._error() from None
 
     def _timed_out(self, op: str, seq: int, limit: float,
                    peer: Optional[int] = None) -> CommTimeoutError:
@@ -260,19 +278,28 @@ class NCCLCommunicator(Communicator):
         number = seq if collective else self._p2p_seq
         if check is not None and self._debug and self.size > 1:
             self._debug_check(name, seq, *check)
+        deadline = time.monotonic() + self.timeout
+        self._watchdog.enter_host_call(Pending(name, number, deadline, None, peer, collective))
         try:
             launch(ptr)
         except GpucollError:
             raise
         except Exception as exc:  # NcclError raised while enqueueing
+            if self._failure is not None:  # the watchdog gave up on this very call first
+                raise self._error() from exc
             message = f"rank {self.rank}: {name} #{number}: NCCL refused the call: {exc}"
             self._fail("error", message, None)
             raise CommAbortedError(message) from exc
+        finally:
+            self._watchdog.leave_host_call()
+        if self._failure is not None:  # the call returned only after the watchdog gave up
+            raise self._error()
         event = self._events.pop() if self._events else self._new_event()
         self._runtime.eventRecord(event.ptr, ptr)
         # a Work keeps its event (pool None); other events go back to the pool once done
-        self._watchdog.track(Pending(name, number, time.monotonic() + self.timeout, event,
-                                     peer, collective, None if async_op else self._events, ptr))
+        self._watchdog.track(Pending(name, number, deadline, event,
+                                     peer, collective, None if async_op else self._events, ptr,
+                                     self._event_done))
         if async_op:
             return CudaWork(self, name, number, event, result, peer)
         return result
@@ -454,7 +481,8 @@ class NCCLCommunicator(Communicator):
             message = (f"rank {self.rank}: split #{seq}: ranks {', '.join(map(str, late))} did "
                        f"not call split within {self.timeout:g} s")
             self._fail("timeout", message, None)  # as after any timeout: aborted
-            raise CommTimeoutError(message, rank=self.rank, op="split", seq=seq) from None
+            raise CommTimeoutError(message, rank=self.rank, op="split", seq=seq,
+                                   limit=self.timeout) from None
         table = []
         for r in range(self.size):
             c, k, host = self._store.get(keys[r], self.timeout).decode().split(",", 2)
@@ -478,17 +506,17 @@ class NCCLCommunicator(Communicator):
         ranks = [r for _, r, _ in members]
         new_rank = ranks.index(self.rank)
         local = hosts.local_rank([host for _, _, host in members], new_rank)
-        return NCCLCommunicator(
+        return self._child(NCCLCommunicator(
             self._root_store, new_rank, len(ranks),
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
             timeout=self.timeout, debug=self._debug, owns_store=False, device=self.device,
-            watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local)
+            watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local), ranks)
 
     def _drain(self, timeout: float) -> None:
         """Wait (host) until every tracked operation has completed, bounded by ``timeout``."""
         deadline = time.monotonic() + timeout
         for pending in self._watchdog.outstanding():
-            while not pending.done():
+            while not self._work_done(pending.op, pending.seq, pending.event):
                 if self._failure is not None:
                     raise self._error()
                 if time.monotonic() > deadline:

@@ -1,7 +1,8 @@
 """How the NCCL backend takes a caller's GPU array and gives results back, and reads streams.
 
-CuPy arrays, anything exposing ``__cuda_array_interface__`` and DLPack objects on a CUDA
-device (a torch CUDA tensor, for instance) are used in place, without a copy. Arrays gpucoll
+CuPy arrays, DLPack objects on a CUDA device or in CUDA managed memory (a torch CUDA tensor,
+for instance; tried first, as DLPack knows bfloat16) and anything exposing
+``__cuda_array_interface__`` are used in place, without a copy. Arrays gpucoll
 allocates are handed back in the caller's array type when its module has ``from_dlpack``.
 Host arrays are refused with a ``TypeError`` that says what to do instead.
 """
@@ -15,8 +16,15 @@ import numpy as np
 
 __all__ = ["import_device_array", "export_like", "stream_pointer"]
 
-_DLPACK_CUDA = 2  # kDLCUDA
+_DLPACK_DEVICE_KINDS = (2, 13)  # kDLCUDA, kDLCUDAManaged: CuPy imports both
 _DLPACK_HOST_KINDS = {1: "host memory", 3: "pinned host memory"}
+
+
+def _has_cuda_array_interface(x: Any, name: str) -> bool:
+    try:
+        return hasattr(x, "__cuda_array_interface__")
+    except Exception as exc:  # e.g. a torch tensor that requires grad
+        raise TypeError(f"{name} cannot be shared with NCCL: {exc}") from None
 
 
 def _on_device(x: Any, name: str, device: int, rank: int) -> Any:
@@ -40,22 +48,23 @@ def import_device_array(cupy: Any, x: Any, name: str, device: int, rank: int) ->
     if isinstance(x, np.ndarray):
         raise TypeError(f"{name} is a NumPy array (host memory); backend 'nccl' needs GPU "
                         f"arrays: pass cupy.asarray({name}), or use backend='cpu'")
-    try:
-        has_cai = hasattr(x, "__cuda_array_interface__")
-    except Exception as exc:  # e.g. a torch tensor that requires grad
-        raise TypeError(f"{name} cannot be shared with NCCL: {exc}") from None
-    if has_cai:
-        return _on_device(cupy.asarray(x), name, device, rank)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        # DLPack first: it carries dtypes the CUDA array interface cannot (torch exports
+        # bfloat16 there as "<V2", which CuPy reads as void); CuPy maps it to ml_dtypes.
         kind, _ = x.__dlpack_device__()
-        if int(kind) != _DLPACK_CUDA:
+        if int(kind) not in _DLPACK_DEVICE_KINDS:
             where = _DLPACK_HOST_KINDS.get(int(kind), f"DLPack device type {int(kind)}")
             raise TypeError(f"{name} lives in {where}; backend 'nccl' needs GPU arrays")
         try:
-            return _on_device(cupy.from_dlpack(x), name, device, rank)
+            imported = cupy.from_dlpack(x)
         except Exception as exc:
-            raise TypeError(f"{name} ({type(x).__name__}) cannot be imported through DLPack "
-                            f"without a copy: {exc}") from None
+            if not _has_cuda_array_interface(x, name):
+                raise TypeError(f"{name} ({type(x).__name__}) cannot be imported through DLPack "
+                                f"without a copy: {exc}") from None
+        else:
+            return _on_device(imported, name, device, rank)
+    if _has_cuda_array_interface(x, name):
+        return _on_device(cupy.asarray(x), name, device, rank)
     return x  # not an array: the base class raises TypeError
 
 

@@ -10,6 +10,7 @@ import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
+from .. import config
 from ..cuda_env import load
 from ..errors import BackendUnavailableError, CommTimeoutError
 from ..types import ReduceOp
@@ -54,6 +55,9 @@ def create_communicator(store, rank: int, size: int, device: int, timeout: float
     itself runs on a helper thread and is bounded by ``timeout`` too.
     """
     _, nccl = load()
+    # connect every peer now, inside this bounded call, not lazily inside a later collective
+    # where a missing peer would block the host (the user's value wins)
+    config.set_default("NCCL_RUNTIME_CONNECT", "0")
     if rank == 0:
         store.set(key, bytes(nccl.get_unique_id()))
     store.barrier(f"{key}/barrier", size, timeout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from ..errors import GpucollError
 from ..work import Work
 
 __all__ = ["CudaWork"]
@@ -20,11 +21,20 @@ class CudaWork(Work):
 
     def is_completed(self) -> bool:
         """True once the operation finished on the GPU, or the communicator failed."""
-        return self._comm._failure is not None or bool(self._event.done)
+        try:
+            return self._comm._failure is not None or self._gpu_done()
+        except GpucollError:  # a CUDA fault: the work is over (exception() says how)
+            return True
+
+    def _gpu_done(self) -> bool:
+        return self._comm._work_done(self.op, self.seq, self._event)
 
     def exception(self) -> Optional[BaseException]:
-        if self._event.done:
-            return None
+        try:
+            if self._gpu_done():
+                return None
+        except GpucollError as exc:
+            return exc
         return self._comm._error() if self._comm._failure is not None else None
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -34,7 +44,7 @@ class CudaWork(Work):
             CommTimeoutError / CommAbortedError: the communicator failed before the operation
                 completed.
         """
-        if self._comm._failure is not None and not self._event.done:
+        if self._comm._failure is not None and not self._gpu_done():
             raise self._comm._error()
         cupy = self._comm._cupy
         cupy.cuda.runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, self._event.ptr)
@@ -45,7 +55,7 @@ class CudaWork(Work):
         limit = self._default_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         pause = 2e-5
-        while not self._event.done:
+        while not self._gpu_done():
             if self._comm._failure is not None:
                 raise self._comm._error()
             if time.monotonic() > deadline:

@@ -1,6 +1,7 @@
-"""Host staging for the CPU backend: NumPy arrays are used as they are; device arrays (anything
-with ``__cuda_array_interface__``, e.g. CuPy) are copied to host memory and the result is copied
-back into them, so several processes can share one GPU without NCCL.
+"""Host staging for the CPU backend: NumPy arrays are used as they are; device arrays (CuPy,
+torch CUDA tensors, anything with ``__cuda_array_interface__`` or DLPack on a GPU) are copied
+to host memory and the result is copied back into them, so several processes can share one
+GPU without NCCL.
 
 Copies run on ``stream`` when one is given (a CuPy stream), else on CuPy's current stream; the
 copy to the host is waited for before the collective reads it, and the copy back is waited
@@ -11,55 +12,97 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import cuda_env
+
 __all__ = ["Staged"]
 
 
-def _cupy_stream(stream):
-    """``stream`` as a CuPy stream (None: the current one)."""
-    if stream is None:
-        return None
-    import cupy
+_DLPACK_DEVICE_KINDS = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
-    if isinstance(stream, cupy.cuda.Stream):
+
+class _StreamHandle:
+    """A raw stream pointer in the CUDA stream protocol (what ``Stream.from_external`` takes)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_stream(cupy, stream):
+    """``stream`` as a CuPy stream (None: the current one)."""
+    if stream is None or isinstance(stream, cupy.cuda.Stream):
         return stream
-    ptr = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
-    if ptr is None and hasattr(stream, "ptr"):
-        ptr = stream.ptr
-    if ptr is None:
-        raise TypeError(f"stream must be a CuPy stream, an object with cuda_stream, or a pointer; "
-                        f"got {type(stream).__name__}")
-    return cupy.cuda.ExternalStream(int(ptr))
+    if hasattr(stream, "__cuda_stream__"):
+        handle = stream
+    else:
+        ptr = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
+        if ptr is None and hasattr(stream, "ptr"):
+            ptr = stream.ptr
+        if ptr is None:
+            raise TypeError(f"stream must be a CuPy stream, an object with cuda_stream or "
+                            f"__cuda_stream__, or a pointer; got {type(stream).__name__}")
+        handle = _StreamHandle(ptr)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy >= 14; ExternalStream is deprecated there
+        return from_external(handle)
+    return cupy.cuda.ExternalStream(handle.__cuda_stream__()[1])
+
+
+def is_device_array(array) -> bool:
+    """Whether ``array`` lives in GPU memory (CUDA array interface, or DLPack on a GPU)."""
+    if hasattr(array, "__cuda_array_interface__"):
+        return True
+    device = getattr(array, "__dlpack_device__", None)
+    try:
+        return device is not None and int(device()[0]) in _DLPACK_DEVICE_KINDS
+    except Exception:
+        return False
+
+
+def _device_view(cupy, array):
+    """A CuPy array over the caller's device memory (no copy): DLPack first (it knows
+    bfloat16), else the CUDA array interface. A torch tensor has no ``set``; its view does."""
+    if isinstance(array, cupy.ndarray):
+        return array
+    if hasattr(array, "__dlpack__") and is_device_array(array):
+        try:
+            return cupy.from_dlpack(array)
+        except Exception:
+            if not hasattr(array, "__cuda_array_interface__"):
+                raise
+    return cupy.asarray(array)
 
 
 class Staged:
     """Host view of a caller's array: NumPy arrays as they are, device arrays copied to host."""
 
-    __slots__ = ("host", "device", "stream")
+    __slots__ = ("host", "device", "view", "stream")
 
     def __init__(self, array, stream=None):
         self.stream = None
+        self.view = None
         if array is None:
             self.host, self.device = None, None
         elif isinstance(array, np.ndarray):
             self.host, self.device = array, None
-        elif hasattr(array, "__cuda_array_interface__"):
-            import cupy  # lazily: only when a device array is passed
-
+        elif is_device_array(array):
+            cupy = cuda_env.cupy_module()  # lazily: only when a device array is passed
             self.device = array
-            self.stream = _cupy_stream(stream)
-            self.host = cupy.asnumpy(array, stream=self.stream, blocking=True)
+            self.view = _device_view(cupy, array)
+            self.stream = _cupy_stream(cupy, stream)
+            self.host = self.view.get(stream=self.stream)  # blocking: the copy is done
         else:
             self.host, self.device = np.asarray(array), None
 
     def write_back(self) -> None:
         if self.device is not None:
-            self.device.set(self.host, stream=self.stream)
+            self.view.set(self.host, stream=self.stream)
             if self.stream is not None:
                 self.stream.synchronize()
             else:
-                import cupy
-
-                cupy.cuda.get_current_stream().synchronize()
+                cuda_env.cupy_module().cuda.get_current_stream().synchronize()
 
     @property
     def caller(self):
@@ -70,8 +113,7 @@ class Staged:
         """A new output buffer; on the device too when ``like`` came from the device."""
         staged = cls(np.empty(shape, dtype))
         if like is not None and like.device is not None:
-            import cupy
-
-            staged.device = cupy.empty(shape, dtype)
+            cupy = cuda_env.cupy_module()
+            staged.device = staged.view = cupy.empty(shape, dtype)
             staged.stream = like.stream
         return staged

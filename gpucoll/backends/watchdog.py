@@ -19,7 +19,35 @@ import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional
 
-__all__ = ["Pending", "Watchdog"]
+__all__ = ["Pending", "Watchdog", "CudaFault", "EVENT_NOT_READY"]
+
+EVENT_NOT_READY = 600  # cudaErrorNotReady: the work before the event is still running
+
+
+class CudaFault(RuntimeError):
+    """An event query returned a CUDA error (not "done", not "not ready"): the GPU work before
+    it failed, e.g. an illegal address. ``status`` is the CUDA error code."""
+
+    def __init__(self, status: int, name: str):
+        super().__init__(name)
+        self.status = status
+
+
+def event_status(query: Callable[[int], int], event: Any, describe: Callable[[int], str]) -> bool:
+    """True when the work before ``event`` completed, False while it runs.
+
+    ``query`` is ``cudaEventQuery`` (CuPy's ``runtime.eventQuery``), which returns the raw
+    status without raising: 0 is done, 600 is not ready, anything else is an error.
+
+    Raises:
+        CudaFault: the status is an error; ``describe(status)`` names it.
+    """
+    status = int(query(event.ptr))
+    if status == 0:
+        return True
+    if status == EVENT_NOT_READY:
+        return False
+    raise CudaFault(status, describe(status))
 
 log = logging.getLogger("gpucoll")
 
@@ -27,19 +55,26 @@ log = logging.getLogger("gpucoll")
 class Pending:
     """One enqueued operation the watchdog follows until its CUDA event completes.
 
-    ``event`` needs only a ``done`` attribute (CuPy's ``Event.done``); once done, the event
-    goes back to ``pool`` (a list) for reuse, unless ``pool`` is None (a ``Work`` keeps it).
+    With ``query`` (``(event) -> bool``, e.g. :func:`event_status` bound to the runtime), a
+    failed event raises :class:`CudaFault`; without it ``event`` needs only a ``done``
+    attribute. Once done, the event goes back to ``pool`` (a list) for reuse, unless ``pool``
+    is None (a ``Work`` keeps it).
     """
 
-    __slots__ = ("op", "seq", "deadline", "event", "peer", "collective", "pool", "stream")
+    __slots__ = ("op", "seq", "deadline", "event", "peer", "collective", "pool", "stream",
+                 "query")
 
     def __init__(self, op: str, seq: int, deadline: float, event: Any,
                  peer: Optional[int] = None, collective: bool = True,
-                 pool: Optional[List[Any]] = None, stream: Any = None):
+                 pool: Optional[List[Any]] = None, stream: Any = None,
+                 query: Optional[Callable[[Any], bool]] = None):
         self.op, self.seq, self.deadline, self.event = op, seq, deadline, event
         self.peer, self.collective, self.pool, self.stream = peer, collective, pool, stream
+        self.query = query
 
     def done(self) -> bool:
+        if self.query is not None:
+            return self.query(self.event)
         return bool(self.event.done)
 
     def release(self) -> None:
@@ -84,6 +119,7 @@ class Watchdog:
         self.issued = 0  # last collective sequence number handed to track()
         self._published = 0
         self.completed = 0  # last collective sequence number seen complete
+        self._host_call: Optional[Pending] = None  # an NCCL call the host is inside of
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -96,6 +132,17 @@ class Watchdog:
         queue.append(pending)
         if pending.collective and pending.seq > self.issued:
             self.issued = pending.seq
+
+    def enter_host_call(self, pending: Pending) -> None:
+        """The issuing thread is about to call into NCCL for ``pending``. NCCL connects peers
+        lazily inside such calls and can block there on a missing peer; until
+        :meth:`leave_host_call`, the watchdog holds the call to ``pending.deadline`` too."""
+        if pending.collective and pending.seq > self.issued:
+            self.issued = pending.seq  # this rank reached it, even if NCCL blocks inside
+        self._host_call = pending
+
+    def leave_host_call(self) -> None:
+        self._host_call = None
 
     def outstanding(self) -> List[Pending]:
         """Operations not yet seen complete, oldest first."""
@@ -154,7 +201,13 @@ class Watchdog:
         """One round: retire completed work, check for NCCL errors and overdue work, publish."""
         overdue: Optional[Pending] = None
         for queue in list(self._streams.values()):
-            for _ in range(self._completed_prefix(queue)):
+            try:
+                completed = self._completed_prefix(queue)
+            except CudaFault as fault:  # the GPU work failed: say so, not "timed out" later
+                self._fail("error", f"the GPU reported {fault} (CUDA error {fault.status})",
+                           queue[0] if queue else None)
+                return
+            for _ in range(completed):
                 pending = queue.popleft()
                 if pending.collective and pending.seq > self.completed:
                     self.completed = pending.seq
@@ -163,6 +216,10 @@ class Watchdog:
                 head = queue[0]
                 if now > head.deadline and (overdue is None or head.deadline < overdue.deadline):
                     overdue = head
+        stuck = self._host_call
+        if stuck is not None and now > stuck.deadline and (
+                overdue is None or stuck.deadline < overdue.deadline):
+            overdue = stuck
         try:  # after retiring: an error is not blamed on an operation that completed
             self._check_error()
         except Exception as exc:

@@ -37,6 +37,15 @@ def _array_module(x: Any):
     return np
 
 
+def _zeros_beside(like: Any, length: int, dtype: Any) -> Any:
+    """Zeros of ``length`` elements on ``like``'s device (CuPy: its GPU, not the current one)."""
+    xp = _array_module(like)
+    if xp is np:
+        return np.zeros(length, dtype=dtype)
+    with like.device:
+        return xp.zeros(length, dtype=dtype)
+
+
 def _wire_dtype(dtype: np.dtype, compression: Optional[str]) -> np.dtype:
     if compression is None or dtype != np.float32:
         return dtype
@@ -201,9 +210,8 @@ class Bucketer:
             if bucket.ready < len(bucket.members):
                 return
             grads = [self._grads[i] for i in bucket.members]
-            if bucket.buffer is None:
-                xp = _array_module(grads[0])
-                bucket.buffer = xp.zeros(bucket.length, dtype=bucket.wire_dtype)  # gaps stay 0
+            if bucket.buffer is None:  # gaps between arrays stay 0
+                bucket.buffer = _zeros_beside(grads[0], bucket.length, bucket.wire_dtype)
             prescale = (1.0 / self.comm.size if self.average and bucket.wire_dtype != bucket.dtype
                         else 1.0)
             kernels.pack(grads, bucket.buffer, offsets=bucket.offsets, scale=prescale)
@@ -243,8 +251,8 @@ class Bucketer:
             self._reset(wait=False)
             return callers
         check = (loss_scale is not None) if check_finite is None else check_finite
-        xp = _array_module(grads[0]) if grads else np
-        self.found_inf = xp.zeros(1, dtype=np.int32) if check else None
+        self.found_inf = _zeros_beside(grads[0] if grads else None, 1, np.int32) if check \
+            else None
         try:
             self._issue_ready()
             for bucket in self._buckets:
@@ -320,7 +328,7 @@ def broadcast_parameters(comm, params: Sequence[Any], root: int = 0, *,
         for chunk in chunks:
             arrays = [params[i] for i in chunk]
             offsets, length = kernels.bucket_offsets([a.size for a in arrays], dtype.itemsize)
-            buffer = _array_module(arrays[0]).zeros(length, dtype=dtype)
+            buffer = _zeros_beside(arrays[0], length, dtype)
             if comm.rank == root:
                 kernels.pack(arrays, buffer, offsets=offsets)
             comm.broadcast(buffer, root=root)

@@ -18,10 +18,12 @@ from typing import Optional
 
 from .. import config
 from .file_store import FileStore
+from .memory_store import MemoryStore
 from .store import PrefixStore, Store
 from .tcp_store import TCPStore, TCPStoreServer
 
-__all__ = ["Store", "PrefixStore", "TCPStore", "TCPStoreServer", "FileStore", "connect_store"]
+__all__ = ["Store", "PrefixStore", "TCPStore", "TCPStoreServer", "FileStore", "MemoryStore",
+           "connect_store"]
 
 _SCHEMES = "tcp://host:port or file:///absolute/path"
 

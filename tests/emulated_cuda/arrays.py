@@ -122,10 +122,18 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def copy(self) -> "ndarray":
         return self._emu._from_host(self._a, self._device_id)
 
-    def astype(self, dtype, copy=True) -> "ndarray":
+    def astype(self, dtype, *, copy=True) -> "ndarray":  # CuPy: (dtype, order, ..., copy)
         if not copy and np.dtype(dtype) == self.dtype:
             return self
         return self._emu._from_host(self._a.astype(dtype), self._device_id)
+
+    def set(self, arr, stream=None) -> None:
+        """Copy host data in (CuPy's ``ndarray.set``): same shape and dtype."""
+        arr = np.asarray(arr)
+        if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
+            raise ValueError(f"emulated set: {arr.shape} {arr.dtype} into {self._a.shape} "
+                             f"{self._a.dtype}")
+        np.copyto(self._a, arr)
 
     def get(self, stream=None) -> np.ndarray:
         return self._a.copy()

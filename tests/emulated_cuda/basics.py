@@ -55,8 +55,22 @@ class NcclError(RuntimeError):
         return (type(self), (self.status, str(self)))
 
 
+CUDA_ERROR_NAMES = {600: "cudaErrorNotReady: device not ready",
+                    700: "cudaErrorIllegalAddress: an illegal memory access was encountered",
+                    719: "cudaErrorLaunchFailure: unspecified launch failure"}
+
+
 class CUDARuntimeError(RuntimeError):
-    """Stands for ``cupy.cuda.runtime.CUDARuntimeError``."""
+    """Stands for ``cupy.cuda.runtime.CUDARuntimeError``: built from a status code (its
+    message is the CUDA error's name and text, as CuPy's) or from a message."""
+
+    def __init__(self, status_or_message):
+        if isinstance(status_or_message, int):
+            self.status = status_or_message
+            message = CUDA_ERROR_NAMES.get(status_or_message, f"cudaError {status_or_message}")
+        else:
+            self.status, message = 999, str(status_or_message)
+        super().__init__(message)
 
 
 def _index(value: Any, what: str) -> int:

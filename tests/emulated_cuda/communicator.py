@@ -33,27 +33,33 @@ def _write(ptr: int, data: np.ndarray) -> None:
 
 
 def _reduce(arrays: List[np.ndarray], op: int, dtype) -> np.ndarray:
-    """NCCL's reduction of same-length flat arrays (avg: floats divide, integers truncate)."""
-    stacked = np.stack(arrays)
+    """NCCL's reduction of same-length flat arrays, with NCCL's numerics (not NumPy's):
+
+    - one rank's contribution at a time, rounded to ``dtype`` after every step (float16 and
+      bfloat16 sums round at each step of the ring; they are computed in float32);
+    - float AVG multiplies each input by 1/n, rounded to the dtype, before summing (NCCL's
+      ``ncclAvg`` is a pre-multiplied sum); integer AVG sums, then truncates toward zero;
+    - MIN and MAX ignore NaN (``fmin`` / ``fmax``) where NumPy would propagate it.
+    """
     n = len(arrays)
     half = dtype.itemsize == 2 and dtype.kind not in "iu"  # float16, bfloat16
-    work = stacked.astype(np.float32) if half else stacked
-    if op in (0, 4):
-        result = np.add.reduce(work, axis=0, dtype=work.dtype)
-        if op == 4:
-            if dtype.kind in "iu":
-                if dtype.kind == "u":
-                    result = result // n
-                else:
-                    result = np.where(result < 0, -((-result) // n), result // n)
-            else:
-                result = result / n
-    elif op == 1:
-        result = np.multiply.reduce(work, axis=0, dtype=work.dtype)
-    elif op == 2:
-        result = np.maximum.reduce(work, axis=0)
-    else:
-        result = np.minimum.reduce(work, axis=0)
+    compute = np.dtype(np.float32) if half else dtype
+    floating = dtype.kind not in "iu"
+    combine = {0: np.add, 4: np.add, 1: np.multiply, 2: np.fmax, 3: np.fmin}[op]
+    inputs = [np.asarray(a) for a in arrays]
+    if op == 4 and floating:
+        scale = np.asarray(1.0 / n).astype(dtype).astype(compute)
+        inputs = [(a.astype(compute) * scale).astype(dtype) for a in inputs]
+    result = inputs[0].astype(dtype)
+    for other in inputs[1:]:
+        with np.errstate(over="ignore", invalid="ignore"):
+            result = combine(result.astype(compute), other.astype(compute),
+                             dtype=compute).astype(dtype)
+    if op == 4 and not floating:
+        if dtype.kind == "u":
+            result = result // n
+        else:
+            result = np.where(result < 0, -((-result) // n), result // n)
     return np.asarray(result).astype(dtype)
 
 

@@ -20,6 +20,7 @@ class _StreamState:
         self.queue: collections.deque = collections.deque()
         self.stalled = False
         self.running = False
+        self.fault: Optional[int] = None  # a CUDA error its held work fails with (inject_fault)
 
 
 # ---------------------------------------------------------------------- CUDA objects
@@ -129,8 +130,8 @@ class Event:
 
     @property
     def done(self) -> bool:
-        with self._emu.lock:
-            return self._completed >= self._recorded
+        """CuPy's ``Event.done``: ``eventQuery(ptr) == 0``, so a failed event is never done."""
+        return self._emu.event_query(self.ptr) == 0
 
     def record(self, stream=None) -> None:
         emu = self._emu

@@ -70,13 +70,16 @@ class Emulation:
         runtime.getDeviceCount = lambda: emu.device_count
         runtime.getDevice = emu.current_device
         runtime.setDevice = lambda device: device_t(device).use()
-        runtime.eventRecord = emu.event_record
+        # parameter names as CuPy's (tests/test_real_cupy.py holds them against the real ones)
+        runtime.eventRecord = lambda event, stream: emu.event_record(event, stream)
+        runtime.eventQuery = lambda event: emu.event_query(event)
         runtime.streamWaitEvent = lambda stream, event, flags=0: emu.stream_wait_event(stream,
                                                                                        event)
         runtime.memcpyAsync = emu.memcpy_async
-        runtime.streamSynchronize = emu.synchronize_stream
+        runtime.streamSynchronize = lambda stream: emu.synchronize_stream(stream)
         runtime.deviceSynchronize = lambda: emu.synchronize_device(emu.current_device())
-        runtime.deviceGetAttribute = emu.device_get_attribute
+        runtime.deviceGetAttribute = lambda attrib, device: emu.device_get_attribute(attrib,
+                                                                                    device)
 
         nccl = types.ModuleType("cupy.cuda.nccl")
         for name, value in NCCL_CONSTANTS.items():
@@ -103,18 +106,18 @@ class Emulation:
         cupy.__version__ = "14.0.0 (emulated)"
         cupy.cuda = cuda
         cupy.ndarray = ndarray_t
-        cupy.asarray = emu.asarray
+        cupy.asarray = lambda a, dtype=None: emu.asarray(a, dtype)
         cupy.array = lambda obj, dtype=None, copy=True: emu.asarray(obj, dtype).copy() \
             if copy else emu.asarray(obj, dtype)
-        cupy.asnumpy = emu.asnumpy
-        cupy.from_dlpack = emu.from_dlpack
+        cupy.asnumpy = lambda a: emu.asnumpy(a)
+        cupy.from_dlpack = lambda array: emu.from_dlpack(array)
         cupy.empty = lambda shape, dtype=float: emu._alloc(shape, dtype)
         cupy.zeros = lambda shape, dtype=float: emu._filled(shape, dtype, 0)
         cupy.ones = lambda shape, dtype=float: emu._filled(shape, dtype, 1)
         cupy.full = lambda shape, fill_value, dtype=None: emu._filled(
             shape, np.asarray(fill_value).dtype if dtype is None else dtype, fill_value)
-        cupy.empty_like = lambda a, dtype=None: emu._alloc(a.shape, a.dtype if dtype is None
-                                                           else dtype)
+        cupy.empty_like = lambda prototype, dtype=None: emu._alloc(
+            prototype.shape, prototype.dtype if dtype is None else dtype)
         cupy.zeros_like = lambda a, dtype=None: emu._filled(a.shape, a.dtype if dtype is None
                                                             else dtype, 0)
         cupy.ones_like = lambda a, dtype=None: emu._filled(a.shape, a.dtype if dtype is None
@@ -322,6 +325,7 @@ class Emulation:
                                    f"{event.device_id} recorded on {state.name}")
         with self.lock:
             event._recorded += 1
+            event._stream_state = state
             generation = event._recorded
 
         def complete() -> None:
@@ -438,6 +442,23 @@ class Emulation:
             for state in states:
                 state.stalled = False
         self._pump_all()
+
+    def event_query(self, event_ptr: int) -> int:
+        """``cudaEventQuery``: 0 when done, 600 (not ready) while the work before it runs, or
+        the error of a faulted stream (see :meth:`inject_fault`); never raises, as CuPy's."""
+        event = self._event(event_ptr)
+        with self.lock:
+            if event._completed >= event._recorded:
+                return 0
+            state = getattr(event, "_stream_state", None)
+            return getattr(state, "fault", None) or 600
+
+    def inject_fault(self, stream: Any, status: int = 700, device: Optional[int] = None) -> None:
+        """Make the work held on ``stream`` fail with CUDA error ``status`` (700: illegal
+        address): its events report that status from ``eventQuery`` instead of "not ready"."""
+        state = self._state(getattr(stream, "ptr", stream), device)
+        with self.lock:
+            state.fault = int(status)
 
     def inject_async_error(self, comm: NcclCommunicator,
                            detail: str = "remote process exited or there was a network error"
