@@ -38,7 +38,6 @@ import os
 import queue
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 from . import config
 from .cliutil import UsageError
 from .errors import StoreError
+from .launch_program import THREAD_VARIABLES, limits_threads, program_command, thread_notice
 
 __all__ = [
     "LaunchConfig",
@@ -76,14 +76,10 @@ EXIT_TIMEOUT = 124
 EXIT_LAUNCH_FAILED = 1
 ROOT_CAUSE_WAIT = 3.0
 """Seconds to wait, after a failure caused by another rank's, for the rank that caused it."""
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
-"""Set to 1 for each rank when several share a node and the user set none of them."""
 
 # The last line of a traceback whose error says a peer failed first.
 _CONSEQUENCE = re.compile(r"^(?:[\w.]+\.)?(?:PeerError|CommAbortedError): ")
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
-_PYTHON_SUFFIXES = (".py", ".pyw", ".pyc", ".pyz")
 
 _REAP_TIMEOUT = 5.0  # seconds to wait for SIGKILLed ranks to be reaped
 _READER_JOIN_TIMEOUT = 2.0  # seconds to wait for a rank's pipes to drain once it is gone
@@ -150,54 +146,6 @@ def _token_hint() -> str:
             f"    export GPUCOLL_AUTH_TOKEN={secrets.token_hex(16)}")
 
 
-def _is_python_source(path: str) -> bool:
-    """A ``.py``-like name, a ``python`` shebang, or (not executable) text that compiles."""
-    if path.endswith(_PYTHON_SUFFIXES):
-        return True
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(1 << 16)
-    except OSError:
-        return False
-    if head.startswith(b"#!"):
-        return b"python" in head.split(b"\n", 1)[0]
-    if b"\0" in head or os.access(path, os.X_OK):
-        return False
-    try:
-        compile(head.decode("utf-8"), path, "exec")
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-        return False
-    return True
-
-
-def _command(cfg: LaunchConfig) -> Tuple[str, ...]:
-    """What each rank runs: Python for scripts and modules, anything else executable as it is.
-
-    Raises:
-        UsageError: the program does not exist, or is neither Python nor executable.
-    """
-    program, args = cfg.program, tuple(cfg.args)
-    if cfg.module:
-        return (sys.executable, "-m", program, *args)
-    if os.path.isdir(program):
-        if os.path.isfile(os.path.join(program, "__main__.py")) and not cfg.no_python:
-            return (sys.executable, program, *args)
-        raise UsageError(f"program {program!r} is a directory without __main__.py")
-    if os.path.isfile(program):
-        if not cfg.no_python and _is_python_source(program):
-            return (sys.executable, program, *args)
-        if os.access(program, os.X_OK):
-            return (os.path.abspath(program), *args)
-        raise UsageError(f"program {program!r} is neither a Python script nor an executable "
-                         f"file (chmod +x it, or run an interpreter: gpucoll run -n N bash "
-                         f"{program})")
-    found = shutil.which(program) if os.sep not in program else None
-    if found is None:
-        raise UsageError(f"program {program!r} does not exist (no such file, and not a command "
-                         f"on PATH)")
-    return (found, *args)
-
-
 def _plan(cfg: LaunchConfig) -> _Plan:
     """Check ``cfg`` and resolve its defaults.
 
@@ -216,7 +164,8 @@ def _plan(cfg: LaunchConfig) -> _Plan:
         raise UsageError(f"node_rank must be in [0, {nnodes - 1}] for nnodes={nnodes}, got {node_rank}")
     if not cfg.program:
         raise UsageError("missing the program to run: give script.py or -m module")
-    command = _command(cfg)
+    command = program_command(cfg.program, cfg.args, module=cfg.module,
+                              no_python=cfg.no_python)
     if cfg.timeout is not None and not cfg.timeout > 0:
         raise UsageError(f"timeout must be > 0 seconds, got {cfg.timeout!r}")
     if not cfg.kill_grace >= 0:
@@ -414,8 +363,7 @@ class _Job:
     @property
     def limit_threads(self) -> bool:
         """Several ranks on this node and no thread variable of the user's."""
-        return self.cfg.nproc > 1 and not any(name in self.plan.base_env
-                                              for name in THREAD_VARIABLES)
+        return limits_threads(self.cfg.nproc, self.plan.base_env)
 
     def _spawn(self, port: int, trap: _SignalTrap) -> None:
         for local_rank in range(self.cfg.nproc):
@@ -573,9 +521,7 @@ class _Job:
                     return EXIT_LAUNCH_FAILED
                 port = server.port
             if self.limit_threads and self.cfg.node_rank == 0:
-                self.say(f"setting OMP_NUM_THREADS=1 (and {', '.join(THREAD_VARIABLES[1:])}) for "
-                         f"each of the {self.cfg.nproc} ranks so that their math libraries do "
-                         f"not oversubscribe the cores; set OMP_NUM_THREADS to choose")
+                self.say(thread_notice(self.cfg.nproc))
             stopped = False
             try:
                 start = time.monotonic()
