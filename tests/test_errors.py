@@ -290,3 +290,24 @@ def test_abort_fails_later_calls():
     results = run_ranks(rank_abort, 2, timeout=30)
     for rank, message in enumerate(results):
         assert message is not None and f"rank {rank}" in message and "abort" in message
+
+
+def rank_dtype_mismatch(comm):
+    import numpy as np
+
+    from gpucoll import CollectiveMismatchError
+
+    x = np.ones(4, np.float32 if comm.rank == 0 else np.int32)  # same bytes, other dtype
+    try:
+        comm.all_reduce(x)
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mismatch_names_op_and_dtypes_without_debug(monkeypatch):
+    monkeypatch.delenv("GPUCOLL_DEBUG", raising=False)
+    messages = run_ranks(rank_dtype_mismatch, 2, timeout=30)
+    joined = "\n".join(messages)
+    assert "float32" in joined and "int32" in joined, messages
+    assert "all_reduce #" in joined and "dtype code" not in joined, messages
