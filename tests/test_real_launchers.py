@@ -102,3 +102,16 @@ def test_init_under_real_mpirun(backend: str):
     assert [(r["rank"], r["size"], r["local_rank"], r["source"], r["backend"])
             for r in results] == [(0, 2, 0, "openmpi", backend), (1, 2, 1, "openmpi", backend)]
     assert all(r["values"] == [3.0] * 4 for r in results)
+
+
+def test_mpi_backend_timeout_holds_on_a_stuck_peer():
+    command, reason = mpirun_command(2)
+    if command is None:
+        pytest.skip(reason)
+    script = str(ROOT / "tests" / "scripts" / "mpi_stuck_peer.py")
+    done = subprocess.run([*command, sys.executable, script, "2"], capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL, env=mpirun_env(_env()))
+    line = next((l for l in done.stdout.splitlines() if "TIMEOUT" in l), done.stdout + done.stderr)
+    assert line.startswith("TIMEOUT after "), line
+    assert "all_reduce #1 did not complete within 2 s" in line, line
+    assert float(line.split()[2]) < 15, line  # the 2 s limit held (rank 1 sleeps 20 s)
