@@ -115,3 +115,19 @@ def test_mpi_backend_timeout_holds_on_a_stuck_peer():
     assert line.startswith("TIMEOUT after "), line
     assert "all_reduce #1 did not complete within 2 s" in line, line
     assert float(line.split()[2]) < 15, line  # the 2 s limit held (rank 1 sleeps 20 s)
+
+
+def test_bench_on_the_mpi_backend_under_mpirun():
+    command, reason = mpirun_command(2)
+    if command is None:
+        pytest.skip(reason)
+    done = subprocess.run([*command, sys.executable, "-m", "gpucoll", "bench", "all_reduce",
+                           "--backend", "mpi", "-b", "8", "-e", "1K", "-f", "128", "-n", "2",
+                           "-w", "1", "--json", "-"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env=mpirun_env(_env()))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    assert (report["nranks"], report["backend"]) == (2, "mpi")
+    assert [row["size"] for row in report["rows"]] == [8, 1024]
+    assert all(row[mode]["wrong"] == 0 for row in report["rows"] for mode in ("out", "in"))
