@@ -133,16 +133,16 @@ def _start(ctx, fn, args, rank, values, backend, timeout):
     process = ctx.Process(target=_rank_main, args=(fn, args, writer, backend, timeout),
                           name=f"gpucoll-rank-{rank}", daemon=False)
     with _ENV_LOCK:
-        saved = {name: os.environ.get(name) for name in values}
+        previous = dict(os.environ)
         os.environ.update(values)
         try:
             process.start()
         finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
+            for name in values:
+                if name in previous:
+                    os.environ.update({name: previous[name]})
                 else:
-                    os.environ[name] = value
+                    os.environ.pop(name, None)
     writer.close()
     return process, reader
 
