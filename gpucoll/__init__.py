@@ -7,8 +7,9 @@ NCCL through CuPy on GPUs; a NumPy-over-sockets backend with the same API everyw
     comm.all_reduce(x)          # in place, sum
     gc.get_rank()               # the default communicator: the one init() made
 
-Importing gpucoll never imports CuPy. ``init`` is imported on first use, so that importing the
-package does not import ``gpucoll.config`` (``python -m gpucoll.config`` then runs cleanly).
+Importing gpucoll never imports CuPy. ``init`` and ``spawn`` are imported on first use, so that
+importing the package does not import ``gpucoll.config`` (``python -m gpucoll.config`` then runs
+cleanly).
 """
 
 from .communicator import Communicator
@@ -26,7 +27,7 @@ __all__ = [
     "CollectiveMismatchError", "CommAbortedError", "BackendUnavailableError",
     "AuthenticationError", "StoreError", "NotInitializedError", "UnsupportedOperationError",
     "default", "destroy", "get_rank", "get_world_size", "is_initialized", "register_backend",
-    "available_backends", "__version__",
+    "available_backends", "spawn", "SpawnError", "__version__",
 ]
 
 
@@ -35,6 +36,10 @@ def __getattr__(name: str):
         from .api import init
 
         return init
+    if name in ("spawn", "SpawnError"):
+        from . import spawning
+
+        return getattr(spawning, name)
     if name in ("register_backend", "available_backends"):
         from .backends import registry
 

@@ -14,7 +14,7 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 from urllib.parse import urlparse
 
 from . import config, default_comm
@@ -186,6 +186,10 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
                              f"not {backend!r}")
 
     token = config.get("GPUCOLL_AUTH_TOKEN")
+    if store is None and not spec.needs_store:  # the backend rendezvouses itself (MPI)
+        return spec.factory(None, rank, world_size, comm_id="world", token=token,
+                            timeout=timeout, debug=config.get("GPUCOLL_DEBUG"),
+                            owns_store=False, **options)
     url = url or config.get("GPUCOLL_INIT_URL")
     owns_store = store is None
     if store is None and world_size == 1 and url.startswith("env://") and (
@@ -217,8 +221,12 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
 def _connect(url: str, rank: int, world_size: int, timeout: float, token: str):
     from .rendezvous import TCPStore, connect_store
 
+    served = False
+    if config.get("TORCHELASTIC_USE_AGENT_STORE"):
+        url, served = _beside_torchrun_agent(url, rank, world_size, timeout, token)
     parsed = urlparse(url)
-    serve = parsed.scheme == "tcp" and rank == 0 and not config.get("GPUCOLL_LAUNCHER_STORE")
+    serve = (parsed.scheme == "tcp" and rank == 0 and not served
+             and not config.get("GPUCOLL_LAUNCHER_STORE"))
     if serve:
         key = (parsed.hostname, parsed.port)
         server = _SERVERS.get(key)
@@ -238,3 +246,49 @@ def _connect(url: str, rank: int, world_size: int, timeout: float, token: str):
             _SERVERS[(parsed.hostname, parsed.port)] = server
             store.server = None  # the server outlives this communicator, for re-init after abort
     return store
+
+
+def _beside_torchrun_agent(url: str, rank: int, world_size: int, timeout: float,
+                           token: str) -> Tuple[str, bool]:
+    """Under torchrun, whose agent already serves torch's own store on MASTER_PORT: rank 0
+    serves gpucoll's store on a free port and publishes its address in the agent's store
+    (through torch, which torchrun implies); the other ranks read it there.
+
+    Returns:
+        (the ``tcp://`` URL of gpucoll's store, whether this process serves it); ``url``
+        unchanged when it is not MASTER_ADDR:MASTER_PORT.
+    """
+    env = detect_environment()
+    parsed = urlparse(url)
+    if parsed.scheme != "tcp" or (parsed.hostname, parsed.port) != (env.master_addr,
+                                                                     env.master_port):
+        return url, False
+    import datetime
+
+    import torch.distributed as dist
+
+    from .rendezvous import TCPStoreServer
+    from .rendezvous.hosts import route_address
+
+    key = (f"gpucoll/store/{config.get('TORCHELASTIC_RUN_ID')}/"
+           f"{config.get('TORCHELASTIC_RESTART_COUNT')}")
+    agent = dist.TCPStore(env.master_addr, env.master_port, world_size, False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    if rank == 0:
+        one_host = env.local_size == world_size
+        host = "127.0.0.1" if one_host else route_address(env.master_addr, env.master_port)
+        server = _SERVERS.get(("torchrun", key))
+        if server is None:  # not re-initialising: serve and publish
+            server = TCPStoreServer("127.0.0.1" if one_host else "0.0.0.0", 0, token=token)
+            _SERVERS[("torchrun", key)] = server  # lives as long as this process
+            agent.set(key, f"{host}:{server.port}")
+        found = f"{host}:{server.port}"
+    else:
+        try:
+            found = agent.get(key).decode()
+        except Exception as exc:  # torch raises its own timeout types
+            raise CommTimeoutError(f"rank {rank}: rank 0 did not publish gpucoll's store in "
+                                   f"torchrun's store within {timeout:g} s ({exc})", rank=rank,
+                                   op="init") from None
+    log.info("rank %d: gpucoll store at %s (beside torchrun's agent store)", rank, found)
+    return f"tcp://{found}", rank == 0

@@ -30,10 +30,17 @@ NONCE_BYTES = 32
 MAC_BYTES = 32
 ACCEPTED = b"\x01"
 HANDSHAKE_TIMEOUT = 10.0
+TOKEN_DIFFERS = ("the authentication token differs from node 0's (the store's); give every "
+                 "node the same GPUCOLL_AUTH_TOKEN")
+"""What both sides of a token mismatch say (the store's server runs on node 0)."""
 
 
 class HandshakeError(Exception):
     """Raised on the server side for a connection that failed the handshake (it is closed)."""
+
+
+class WrongTokenError(HandshakeError):
+    """The client spoke the protocol but proved a different token (not a stranger's bytes)."""
 
 
 def _mac(token: str, role: bytes, kind: int, client_nonce: bytes, server_nonce: bytes) -> bytes:
@@ -80,10 +87,15 @@ def client_handshake(sock: socket.socket, token: str, kind: int, deadline: float
             raise PeerError(f"{what} does not speak the gpucoll protocol (got {reply[:4]!r})")
         server_nonce = reply[4:4 + NONCE_BYTES]
         server_mac = reply[4 + NONCE_BYTES:]
+        ours = _mac(token, b"client", kind, client_nonce, server_nonce)
         if not hmac.compare_digest(server_mac, _mac(token, b"server", kind, client_nonce, server_nonce)):
+            try:  # our proof lets the server tell a token mismatch from a stranger's garbage
+                sock.sendall(ours)
+            except OSError:
+                pass
             raise AuthenticationError(
-                f"{what} could not prove it knows GPUCOLL_AUTH_TOKEN; is it another job's?")
-        sock.sendall(_mac(token, b"client", kind, client_nonce, server_nonce))
+                f"{what} could not prove it knows our GPUCOLL_AUTH_TOKEN: {TOKEN_DIFFERS}")
+        sock.sendall(ours)
         status = recv_exact(sock, 1, deadline)
     except socket.timeout:
         raise CommTimeoutError(f"handshake with {what} timed out") from None
@@ -120,7 +132,7 @@ def server_handshake(sock: socket.socket, token: str, kind: int,
         sock.sendall(MAGIC + server_nonce + _mac(token, b"server", kind, client_nonce, server_nonce))
         client_mac = recv_exact(sock, MAC_BYTES, deadline)
         if not hmac.compare_digest(client_mac, _mac(token, b"client", kind, client_nonce, server_nonce)):
-            raise HandshakeError("wrong authentication token")
+            raise WrongTokenError("wrong authentication token")
         sock.sendall(ACCEPTED)
     except (socket.timeout, OSError) as exc:
         raise HandshakeError(f"handshake failed: {exc}") from None

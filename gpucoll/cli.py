@@ -28,7 +28,7 @@ from . import __version__
 
 __all__ = ["main", "build_parser"]
 
-_RUN_USAGE = "gpucoll run [options] (script.py | -m module) [args ...]"
+_RUN_USAGE = "gpucoll run [options] (script.py | -m module | program) [args ...]"
 
 # Launcher options that take a value; everything from the first other word on is the program.
 _RUN_VALUE_OPTIONS = frozenset({
@@ -48,8 +48,9 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
     run = commands.add_parser(
         "run", usage=_RUN_USAGE, allow_abbrev=False,
-        help="start N ranks of a Python program on this node",
-        description="Start N ranks of a Python program on this node with RANK, WORLD_SIZE, "
+        help="start N ranks of a program on this node",
+        description="Start N ranks of a Python script, module or any executable on this node "
+                    "with RANK, WORLD_SIZE, "
                     "LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and "
                     "GPUCOLL_AUTH_TOKEN set; node 0 serves the rendezvous store. Every output line "
                     "is prefixed with [rank R]. The first rank to fail stops all the others and "
@@ -72,6 +73,10 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                      help="stop every rank and exit 124 when the job runs longer than this")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
                      help="run a module, as python -m MODULE does, instead of a script")
+    run.add_argument("--no-python", dest="no_python", action="store_true",
+                     help="run the program as an executable even when it is a Python script "
+                          "(without this, Python scripts run with this interpreter and any "
+                          "other executable, e.g. python3 -u x.py or a shell script, as it is)")
     run.add_argument("program", nargs="?", metavar="script.py", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the program")
     _add_bench_parser(commands)
@@ -269,6 +274,7 @@ def _cmd_run(run_parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
                          "missing the program to run: give script.py or -m module")
     cfg = LaunchConfig(
         program=program, args=tuple(program_args), nproc=namespace.nproc, module=is_module,
+        no_python=namespace.no_python,
         nnodes=namespace.nnodes, node_rank=namespace.node_rank, master_addr=namespace.master_addr,
         master_port=namespace.master_port, timeout=namespace.timeout)
     try:

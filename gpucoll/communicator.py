@@ -466,8 +466,13 @@ class Communicator(CompositeCollectives, abc.ABC):
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:
-            self.abort()
+        else:  # the peers' errors then say why: "rank 1 raised RuntimeError: boom"
+            self._abort_for(f"rank {self.rank} raised {exc_type.__name__}: {exc}")
+
+    def _abort_for(self, reason: str) -> None:
+        """``abort()``, telling the peers ``reason`` where the backend can (the CPU backend
+        leaves it in the store, and a peer's ``PeerError`` quotes it)."""
+        self.abort()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} backend={self.backend} rank={self.rank} size={self.size}>"

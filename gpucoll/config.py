@@ -150,6 +150,13 @@ _LAUNCHERS = [
     Setting("LOCAL_WORLD_SIZE", int, None, "Ranks on this host (torchrun, `gpucoll run`).", "torchrun"),
     Setting("MASTER_ADDR", str, None, "Host of the rendezvous store.", "torchrun"),
     Setting("MASTER_PORT", int, None, "Port of the rendezvous store.", "torchrun"),
+    Setting("TORCHELASTIC_USE_AGENT_STORE", _parse_bool, False,
+            "Set by torchrun when its agent serves torch's store on MASTER_PORT: rank 0 then "
+            "serves gpucoll's store on a free port and publishes it there.", "torchrun"),
+    Setting("TORCHELASTIC_RUN_ID", str, "none", "torchrun's job id (names the published store "
+            "address).", "torchrun"),
+    Setting("TORCHELASTIC_RESTART_COUNT", int, 0, "torchrun's restart count (names the published "
+            "store address).", "torchrun"),
     # Slurm
     Setting("SLURM_PROCID", int, None, "Global rank under `srun`.", "slurm"),
     Setting("SLURM_NTASKS", int, None, "Number of ranks under `srun`.", "slurm"),

@@ -2,17 +2,27 @@
 
 The launcher of node 0 serves the rendezvous store (:class:`~gpucoll.rendezvous.tcp_store.
 TCPStoreServer`) itself, so the ranks only connect to it (``GPUCOLL_LAUNCHER_STORE=1``). Each
-rank is ``sys.executable`` running the program in its own session (process group), with the
-torchrun variables set::
+rank runs the program in its own session (process group): a Python script (``.py``, a
+``python`` shebang, or Python source) or ``-m module`` with ``sys.executable``, anything else
+executable (``python3 -u x.py``, a shell script, a binary) as it is (``no_python`` forces
+that). The torchrun variables are set::
 
     RANK = node_rank * nproc + local_rank     WORLD_SIZE = nnodes * nproc
     LOCAL_RANK, LOCAL_WORLD_SIZE = nproc, GROUP_RANK = node_rank
     MASTER_ADDR, MASTER_PORT, GPUCOLL_AUTH_TOKEN, GPUCOLL_LAUNCHER_STORE=1, PYTHONUNBUFFERED=1
 
-Every line a rank writes is copied to the launcher's stdout or stderr with a ``[rank R] ``
-prefix. The first rank that exits non-zero stops the job: every other rank's process group gets
-SIGTERM, then SIGKILL after a grace period, and the launcher ends with that rank's exit code and
-the last lines of its stderr. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
+and, when several ranks share the node and the user set none of them, ``OMP_NUM_THREADS=1``
+and the BLAS thread variables (said once on stderr), so the ranks' math libraries do not
+oversubscribe the cores.
+
+Everything a rank writes is copied to the launcher's stdout or stderr with a ``[rank R] ``
+prefix as soon as a line ends with ``\n`` or ``\r`` (progress bars stay live). The first rank
+that exits non-zero stops the job: every other rank's process group gets SIGTERM, then SIGKILL
+after a grace period, and the launcher ends with the root cause's exit code and the last lines
+of its stderr. The root cause is the first failure that is not a consequence of another rank's
+(a rank whose last error is gpucoll's ``PeerError`` or ``CommAbortedError`` failed because a
+peer did): after such a failure the launcher waits up to ``ROOT_CAUSE_WAIT`` seconds for the
+rank that started it. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
 the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124.
 
 Example::
@@ -26,6 +36,7 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import re
 import secrets
 import signal
 import subprocess
@@ -38,6 +49,7 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 from . import config
 from .cliutil import UsageError
 from .errors import StoreError
+from .launch_program import THREAD_VARIABLES, limits_threads, program_command, thread_notice
 
 __all__ = [
     "LaunchConfig",
@@ -50,6 +62,8 @@ __all__ = [
     "KILL_GRACE",
     "STDERR_TAIL_LINES",
     "EXIT_TIMEOUT",
+    "ROOT_CAUSE_WAIT",
+    "THREAD_VARIABLES",
 ]
 
 DEFAULT_MULTI_NODE_PORT = 29500
@@ -60,6 +74,12 @@ STDERR_TAIL_LINES = 50
 EXIT_TIMEOUT = 124
 """Exit code when ``timeout`` fires (as coreutils ``timeout``)."""
 EXIT_LAUNCH_FAILED = 1
+ROOT_CAUSE_WAIT = 3.0
+"""Seconds to wait, after a failure caused by another rank's, for the rank that caused it."""
+
+# The last line of a traceback whose error says a peer failed first.
+_CONSEQUENCE = re.compile(r"^(?:[\w.]+\.)?(?:PeerError|CommAbortedError): ")
+_SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
 _REAP_TIMEOUT = 5.0  # seconds to wait for SIGKILLed ranks to be reaped
 _READER_JOIN_TIMEOUT = 2.0  # seconds to wait for a rank's pipes to drain once it is gone
@@ -76,6 +96,8 @@ class LaunchConfig:
         args: arguments passed to the program untouched.
         nproc: ranks started on this node.
         module: run ``program`` as ``python -m program``.
+        no_python: run ``program`` as an executable even when it is a Python script
+            (torchrun's ``--no-python``).
         nnodes: nodes in the job; each runs its own launcher with the same ``nproc``.
         node_rank: this node's index (0 serves the store).
         master_addr: host of the store. One node: the address the store binds (default
@@ -94,6 +116,7 @@ class LaunchConfig:
     args: Sequence[str] = ()
     nproc: int = 1
     module: bool = False
+    no_python: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: Optional[str] = None
@@ -141,12 +164,8 @@ def _plan(cfg: LaunchConfig) -> _Plan:
         raise UsageError(f"node_rank must be in [0, {nnodes - 1}] for nnodes={nnodes}, got {node_rank}")
     if not cfg.program:
         raise UsageError("missing the program to run: give script.py or -m module")
-    if cfg.module:
-        command = (sys.executable, "-m", cfg.program, *cfg.args)
-    else:
-        if not os.path.exists(cfg.program):
-            raise UsageError(f"program {cfg.program!r} does not exist")
-        command = (sys.executable, cfg.program, *cfg.args)
+    command = program_command(cfg.program, cfg.args, module=cfg.module,
+                              no_python=cfg.no_python)
     if cfg.timeout is not None and not cfg.timeout > 0:
         raise UsageError(f"timeout must be > 0 seconds, got {cfg.timeout!r}")
     if not cfg.kill_grace >= 0:
@@ -278,12 +297,40 @@ class _Job:
         self._write(self.err, f"gpucoll run: {message}\n")
 
     def _pump(self, pipe, stream: TextIO, prefix: str, tail: Optional[Deque[str]]) -> None:
+        """Copy a rank's pipe to ``stream`` with ``prefix``, a segment at a time: each line as
+        soon as it ends in ``\n``, and each ``\r``-ended piece (a progress bar) as it comes."""
+        fd = pipe.fileno()
+        pending = b""
+        after_cr = False
         try:
-            for raw in iter(pipe.readline, b""):
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            while True:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                pending += chunk
+                end = 0
+                pieces = []
+                for match in _SEGMENT.finditer(pending):
+                    segment = match.group(0)
+                    end = match.end()
+                    if segment == b"\n" and after_cr:  # the rest of a "\r\n" cut in two
+                        pieces.append("\n")
+                        after_cr = False
+                        continue
+                    cr = segment.endswith(b"\r")
+                    text = segment.rstrip(b"\r\n").decode("utf-8", "replace")
+                    if tail is not None and not cr:
+                        tail.append(text)
+                    pieces.append(f"{prefix}{text}{chr(13) if cr else chr(10)}")
+                    after_cr = cr
+                pending = pending[end:]
+                if pieces:
+                    self._write(stream, "".join(pieces))
+            if pending:
+                text = pending.decode("utf-8", "replace")
                 if tail is not None:
-                    tail.append(line)
-                self._write(stream, f"{prefix}{line}\n")
+                    tail.append(text)
+                self._write(stream, f"{prefix}{text}\n")
         except (OSError, ValueError):
             pass
         finally:
@@ -309,7 +356,14 @@ class _Job:
             "GPUCOLL_LAUNCHER_STORE": "1",
             "PYTHONUNBUFFERED": "1",
         })
+        if self.limit_threads:
+            env.update({name: "1" for name in THREAD_VARIABLES})
         return env
+
+    @property
+    def limit_threads(self) -> bool:
+        """Several ranks on this node and no thread variable of the user's."""
+        return limits_threads(self.cfg.nproc, self.plan.base_env)
 
     def _spawn(self, port: int, trap: _SignalTrap) -> None:
         for local_rank in range(self.cfg.nproc):
@@ -362,8 +416,37 @@ class _Job:
                 wait = min(wait, remaining)
             rank = self._record_exits(wait)
             if rank is not None and rank.returncode != 0:
-                return "failed", rank
+                return "failed", self._root_cause(rank, trap)
         return "ok", None
+
+    def _drain(self, rank: _Rank) -> None:
+        """Let the rank's stderr reader take the last lines (bounded)."""
+        for thread in rank.threads[1:]:
+            thread.join(_READER_JOIN_TIMEOUT)
+
+    def _is_consequence(self, rank: _Rank) -> bool:
+        """The rank failed because a peer did: its last error is a PeerError or
+        CommAbortedError (a signal or any other error is a failure of its own)."""
+        if rank.returncode is None or rank.returncode < 0:
+            return False
+        self._drain(rank)
+        lines = [line for line in rank.stderr_tail if line.strip()]
+        return bool(lines) and _CONSEQUENCE.match(lines[-1]) is not None
+
+    def _root_cause(self, first: _Rank, trap: _SignalTrap) -> _Rank:
+        """The first failure that is not a consequence of another rank's (see module doc);
+        ``first`` when none shows up within ``ROOT_CAUSE_WAIT`` seconds."""
+        if not self._is_consequence(first):
+            return first
+        deadline = time.monotonic() + ROOT_CAUSE_WAIT
+        while self._alive() and not trap.received:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            rank = self._record_exits(min(remaining, _POLL_INTERVAL))
+            if rank is not None and rank.returncode != 0 and not self._is_consequence(rank):
+                return rank
+        return first
 
     def stop_all(self, trap: _SignalTrap) -> None:
         """SIGTERM every rank's process group, SIGKILL after the grace, reap (bounded).
@@ -399,10 +482,11 @@ class _Job:
                 thread.join(max(deadline - time.monotonic(), 0.0))
 
     def _report_failure(self, failed: _Rank) -> None:
-        stopped = [rank.rank for rank in self.ranks if rank.stopped]
+        stopped = [rank.rank for rank in self.ranks if rank.stopped and rank is not failed]
         others = [f"{rank.rank} ({describe_exit(rank.returncode)})" for rank in self.ranks
                   if rank is not failed and not rank.stopped and rank.returncode not in (0, None)]
-        message = f"rank {failed.rank} failed ({describe_exit(failed.returncode)})"
+        message = (f"root cause (first observed failure): rank {failed.rank} failed "
+                   f"({describe_exit(failed.returncode)})")
         if stopped:
             message += f"; stopped ranks {_ranks_text(stopped)}"
         if others:
@@ -436,6 +520,8 @@ class _Job:
                     self.say(f"{exc}; pick another --master-port (0: any free port, one node only)")
                     return EXIT_LAUNCH_FAILED
                 port = server.port
+            if self.limit_threads and self.cfg.node_rank == 0:
+                self.say(thread_notice(self.cfg.nproc))
             stopped = False
             try:
                 start = time.monotonic()

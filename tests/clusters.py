@@ -13,6 +13,9 @@ Clusters (``CLUSTERS``; ids as in ``pytest -k``):
   (gpucoll's bookkeeping, not NCCL's numerics).
 - ``nccl-gpu``: the real NCCL backend on a real GPU with CuPy (one rank per GPU; skipped
   without one).
+- ``mpi``: the MPI backend in ranks started by a real ``mpirun`` (Open MPI from PyPI: the
+  ``mpi`` extra); each rank connects back to the test process and runs the functions it is
+  sent (``tests/scripts/mpi_rank_server.py``). Skipped without mpi4py or mpirun.
 
 ``cluster.reduces(op, dtype)`` says whether the backend reduces that pair (NCCL has no
 bitwise ops and does not reduce bool or 16-bit integers); data movement works for every dtype.
@@ -20,7 +23,12 @@ bitwise ops and does not reduce bool or 16-bit integers); data movement works fo
 
 from __future__ import annotations
 
+import os
 import queue
+import secrets
+import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -158,8 +166,131 @@ class ThreadCluster(ProcessCluster):
         self._tmp.cleanup()
 
 
+_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+
+
+def mpirun_command(nranks: int):
+    """``mpirun -n N`` with what a test host needs (root, few cores, no binding), or None
+    with the reason when mpi4py or mpirun is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return None, "mpi4py is not installed (pip install '.[mpi]')"
+    mpirun = (shutil.which("mpirun")
+              or shutil.which("mpirun", path=os.path.dirname(sys.executable)))
+    if mpirun is None:
+        return None, "no mpirun on PATH (pip install '.[mpi]' brings Open MPI)"
+    command = [mpirun, "-n", str(nranks), "--oversubscribe", "--bind-to", "none"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        command.append("--allow-run-as-root")
+    return command, None
+
+
+def mpirun_env(extra=None):
+    """The environment of an mpirun job started by the tests (the tree importable)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(_SCRIPTS))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_rmaps_base_oversubscribe": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+class MPICluster:
+    """Ranks started by a real ``mpirun`` on the MPI backend (see module doc)."""
+
+    kind = "numpy"
+    backend = "mpi"
+
+    def __init__(self, name: str, world_size: int, start_timeout: float = 90.0):
+        from multiprocessing.connection import Listener
+
+        self.name, self.world_size = name, world_size
+        command, reason = mpirun_command(world_size)
+        if command is None:
+            pytest.skip(reason)
+        key = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        host, port = self._listener.address
+        self._proc = subprocess.Popen(
+            command + [sys.executable, os.path.join(_SCRIPTS, "mpi_rank_server.py"),
+                       f"{host}:{port}", key.hex()],
+            env=mpirun_env({"GPUCOLL_TIMEOUT": "60"}), stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        accepted: "queue.Queue" = queue.Queue()
+
+        def accept() -> None:
+            for _ in range(world_size):
+                try:
+                    accepted.put(self._listener.accept())
+                except Exception as exc:  # the listener was closed: give up
+                    accepted.put(exc)
+                    return
+
+        threading.Thread(target=accept, daemon=True, name="mpi-cluster-accept").start()
+        self.conns: List[Any] = [None] * world_size
+        deadline = time.monotonic() + start_timeout
+        for _ in range(world_size):
+            try:
+                conn = accepted.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                self.kill()
+                raise RankFailure(f"mpirun -n {world_size}: not every rank connected within "
+                                  f"{start_timeout:g} s") from None
+            if isinstance(conn, Exception) or not conn.poll(max(deadline - time.monotonic(), 0.01)):
+                self.kill()
+                raise RankFailure(f"mpirun -n {world_size}: a rank connected but never said ready")
+            status, value = conn.recv()
+            if status != "ready":
+                self.kill()
+                raise RankFailure(f"an MPI rank failed to start:\n{value}")
+            self.conns[value] = conn
+
+    def run(self, fn: Callable, *args, timeout: float = 120.0) -> List[Any]:
+        for conn in self.conns:
+            conn.send((_call, (self.kind, fn) + args))
+        values, deadline = [], time.monotonic() + timeout
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(max(deadline - time.monotonic(), 0.01)):
+                self.kill()
+                raise RankFailure(f"MPI rank {rank} did not answer within {timeout:g} s")
+            status, value = conn.recv()
+            if status != "ok":
+                self.kill()
+                raise RankFailure(f"MPI rank {rank} failed:\n{value}")
+            values.append(value)
+        return values
+
+    def reduces(self, op: str, dtype: str) -> bool:
+        return op_valid(op, dtype)
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._proc.wait(10)
+        self._listener.close()
+
+    def close(self) -> None:
+        for conn in self.conns:
+            if conn is not None:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+
 CLUSTERS = [("cpu-unix", n) for n in (1, 2, 3, 4)] + [("cpu-tcp", n) for n in (2, 3)] + \
-           [("nccl-emulated", n) for n in (1, 2, 3)] + [("nccl-gpu", 1)]
+           [("nccl-emulated", n) for n in (1, 2, 3)] + [("nccl-gpu", 1)] + \
+           [("mpi", n) for n in (2, 3, 4)]
 
 
 def cluster_id(param) -> str:
@@ -176,6 +307,8 @@ def make_cluster(name: str, world_size: int):
         return ProcessCluster(name, world_size, "cpu", name.split("-")[1], "numpy")
     if name == "nccl-gpu":
         return ProcessCluster(name, world_size, "nccl", "auto", "cupy")
+    if name == "mpi":
+        return MPICluster(name, world_size)
     from emulated_cuda import Emulation
     from gpucoll import cuda_env
 

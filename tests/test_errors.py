@@ -267,7 +267,10 @@ def rank_wrong_token(rank, size, url):
 def test_wrong_token_is_refused():
     results = run_ranks(rank_wrong_token, 2, init=False, timeout=30)
     assert results[1][0] == "AuthenticationError", results[1]
-    assert results[0][0] == "CommTimeoutError" and "[1]" in results[0][1], results[0]
+    assert "the authentication token differs from node 0's" in results[1][1], results[1]
+    # rank 0 learns it from the store at once, instead of timing out waiting for rank 1
+    assert results[0][0] == "AuthenticationError" and "rank(s) [1] of 2 cannot join" in \
+        results[0][1] and "differs from node 0's" in results[0][1], results[0]
 
 
 def rank_abort(comm):
@@ -287,3 +290,24 @@ def test_abort_fails_later_calls():
     results = run_ranks(rank_abort, 2, timeout=30)
     for rank, message in enumerate(results):
         assert message is not None and f"rank {rank}" in message and "abort" in message
+
+
+def rank_dtype_mismatch(comm):
+    import numpy as np
+
+    from gpucoll import CollectiveMismatchError
+
+    x = np.ones(4, np.float32 if comm.rank == 0 else np.int32)  # same bytes, other dtype
+    try:
+        comm.all_reduce(x)
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mismatch_names_op_and_dtypes_without_debug(monkeypatch):
+    monkeypatch.delenv("GPUCOLL_DEBUG", raising=False)
+    messages = run_ranks(rank_dtype_mismatch, 2, timeout=30)
+    joined = "\n".join(messages)
+    assert "float32" in joined and "int32" in joined, messages
+    assert "all_reduce #" in joined and "dtype code" not in joined, messages

@@ -49,8 +49,8 @@ def test_init_without_launcher_info_explains():
         api.init(backend="cpu", world_size=2, url="tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="rank=2 is out of range for world_size=2"):
         api.init(backend="cpu", rank=2, world_size=2, url="tcp://127.0.0.1:1")
-    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
-        api.init(backend="mpi", rank=0, world_size=1, url="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="unknown backend 'gloo'"):
+        api.init(backend="gloo", rank=0, world_size=1, url="tcp://127.0.0.1:1")
 
 
 def test_nccl_backend_unavailable_is_explicit():

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from gpucoll.launch import LaunchConfig, UsageError, run_job
+from gpucoll.launch import THREAD_VARIABLES, LaunchConfig, UsageError, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -31,7 +31,9 @@ WORKER_SCRIPT = str(SCRIPTS / "launch_worker.py")
 
 # Variables an outer launcher may have set; the launcher under test must set its own.
 _OUTER = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "GPUCOLL_AUTH_TOKEN", "GPUCOLL_LAUNCHER_STORE"]
+          "MASTER_PORT", "GPUCOLL_AUTH_TOKEN", "GPUCOLL_LAUNCHER_STORE", "OMP_NUM_THREADS",
+          "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+          "NUMEXPR_NUM_THREADS"]
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -264,7 +266,8 @@ def test_first_failure_stops_the_others_and_reports_the_traceback(piddir: Path):
                             "rank2.child.pid", "rank2.pid"]
     assert _wait_dead(pids) == []  # ranks and the children they started
     lines = result.stderr.splitlines()
-    failed_at = lines.index("gpucoll run: rank 1 failed (exit code 3); stopped ranks 0, 2")
+    failed_at = lines.index("gpucoll run: root cause (first observed failure): rank 1 failed "
+                            "(exit code 3); stopped ranks 0, 2")
     tail = lines[failed_at + 1:]
     assert tail[0] == "gpucoll run: last 4 stderr lines of rank 1:"
     assert tail[1] == "[rank 1] Traceback (most recent call last):"
@@ -275,7 +278,8 @@ def test_first_failure_stops_the_others_and_reports_the_traceback(piddir: Path):
 def test_rank_killed_by_a_signal_is_reported_by_name(piddir: Path):
     result = _run(["run", "-n", "2", WORKER_SCRIPT, str(piddir), "0", "sigkill"])
     assert result.returncode == 128 + signal.SIGKILL, result.stderr
-    assert "gpucoll run: rank 0 failed (signal SIGKILL); stopped ranks 1" in result.stderr
+    assert ("gpucoll run: root cause (first observed failure): rank 0 failed (signal SIGKILL); "
+            "stopped ranks 1") in result.stderr
     assert "gpucoll run: rank 0 wrote nothing to stderr" in result.stderr
     assert _wait_dead(_pids(piddir)) == []
 
@@ -314,7 +318,7 @@ def test_in_process_sigkill_after_the_grace_period(piddir: Path):
     elapsed = time.monotonic() - start
     assert code == 3, err.getvalue()
     assert 0.5 <= elapsed < 10  # rank 0 ignores SIGTERM: only SIGKILL after the grace stops it
-    assert "gpucoll run: rank 1 failed (exit code 3); stopped ranks 0" in err.getvalue()
+    assert "rank 1 failed (exit code 3); stopped ranks 0" in err.getvalue()
     assert "[rank 0] rank 0 sleeping\n" in out.getvalue()
     assert _wait_dead(_pids(piddir)) == []
 
@@ -333,12 +337,16 @@ def test_in_process_sigkill_after_the_grace_period(piddir: Path):
     (["run", "--nnodes", "2", "MARKER"], "needs --master-addr"),
     (["run", "--bogus", "MARKER"], "unrecognized arguments: --bogus"),
     (["run", "no_such_script.py"], "program 'no_such_script.py' does not exist"),
+    (["run", "DATA"], "is neither a Python script nor an executable file"),
 ])
 def test_usage_errors_exit_2_before_spawning(tmp_path: Path, args: List[str], message: str):
     marker = tmp_path / "ran"
     script = tmp_path / "touch.py"
     script.write_text(f"open({str(marker)!r}, 'w').close()\n")
-    args = [str(script) if word == "MARKER" else word for word in args]
+    data = tmp_path / "weights.bin"
+    data.write_bytes(b"\x00\x01binary")
+    args = [str(script) if word == "MARKER" else str(data) if word == "DATA" else word
+            for word in args]
     result = _run(args, env=_env({"GPUCOLL_AUTH_TOKEN": "t"}))
     assert result.returncode == 2, result.stderr
     assert "usage: gpucoll run" in result.stderr
@@ -368,3 +376,102 @@ def test_run_job_raises_usage_error_without_spawning(tmp_path: Path):
                              env={"GPUCOLL_AUTH_TOKEN": "t"}))
     with pytest.raises(UsageError, match="needs GPUCOLL_AUTH_TOKEN"):
         run_job(LaunchConfig(ENV_SCRIPT, nnodes=2, master_addr="127.0.0.1", env={}))
+
+
+# -- what people type, defaults, root cause ------------------------------------------------
+
+
+def test_thread_variables_default_to_one_per_rank_unless_the_user_set_one():
+    result = _run(["run", "-n", "2", ENV_SCRIPT])
+    for report in _env_reports(result).values():
+        assert report["OMP_NUM_THREADS"] == "1" and report["OPENBLAS_NUM_THREADS"] == "1"
+        assert report["MKL_NUM_THREADS"] == "1"
+    assert result.stderr.count("setting OMP_NUM_THREADS=1") == 1  # said once
+    mine = _run(["run", "-n", "2", ENV_SCRIPT], env=_env({"OMP_NUM_THREADS": "3"}))
+    for report in _env_reports(mine).values():
+        assert report["OMP_NUM_THREADS"] == "3" and report["OPENBLAS_NUM_THREADS"] is None
+    assert "setting OMP_NUM_THREADS" not in mine.stderr
+    alone = _run(["run", "-n", "1", ENV_SCRIPT])
+    assert _env_reports(alone)[0]["OMP_NUM_THREADS"] is None  # one rank: its threads are its own
+    assert set(THREAD_VARIABLES) >= {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}
+
+
+def test_progress_with_carriage_returns_shows_before_the_line_ends(tmp_path: Path):
+    go = tmp_path / "go"
+    script = tmp_path / "progress.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "sys.stdout.write('progress 50%\\r'); sys.stdout.flush()\n"
+        f"deadline = time.monotonic() + 10\n"
+        f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.02)\n"
+        "print('done')\n")
+    proc = _start(["run", "-n", "1", str(script)])
+    try:
+        seen, deadline = b"", time.monotonic() + 8
+        fd = proc.stdout.fileno()
+        while b"progress 50%\r" not in seen and time.monotonic() < deadline:
+            import select
+
+            if select.select([fd], [], [], 0.1)[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                seen += chunk
+        go.touch()  # only now may the rank finish its line
+        rest, err = proc.communicate(timeout=15)
+    finally:
+        _stop_launcher(proc)
+    assert b"[rank 0] progress 50%\r" in seen, (seen, err)
+    assert proc.returncode == 0, err
+    assert "[rank 0] done\n" in rest
+
+
+def test_programs_as_people_type_them(tmp_path: Path):
+    script = tmp_path / "demo.py"
+    script.write_text("import os, sys\nprint('RAN', os.environ['RANK'], sys.argv[1:])\n")
+    plain = tmp_path / "demo_without_suffix"  # Python source, not executable
+    plain.write_text(script.read_text())
+    shell = tmp_path / "job.sh"
+    shell.write_text("#!/bin/sh\necho RAN $RANK sh \"$@\"\n")
+    shell.chmod(0o755)
+    shebang = tmp_path / "tool"
+    shebang.write_text(f"#!{sys.executable}\nimport os, sys\nprint('RAN', os.environ['RANK'], "
+                       f"'shebang', sys.argv[1:])\n")
+    shebang.chmod(0o755)
+    cases = [
+        ([sys.executable, str(script), "a"], "['a']"),               # the interpreter's full path
+        ([Path(sys.executable).name, str(script), "a"], "['a']"),    # python script.py (on PATH)
+        ([sys.executable, "-u", str(script), "b"], "['b']"),         # python3 -u x.py
+        ([str(plain), "c"], "['c']"),
+        ([str(shell), "d"], "sh d"),
+        (["--no-python", str(shebang), "e"], "shebang ['e']"),
+    ]
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    for words, expected in cases:
+        result = _run(["run", "-n", "2", *words], env=_env({"PATH": path}))
+        assert result.returncode == 0, (words, result.stderr)
+        assert _rank_lines(result.stdout, "RAN") == {0: f"0 {expected}", 1: f"1 {expected}"}, words
+
+
+CRASH_SCRIPT = str(SCRIPTS / "launch_crash.py")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_root_cause_is_the_rank_that_raised_every_time(nproc: int, tmp_path: Path):
+    """Rank 1 raises inside ``with gc.init() as comm:``; the others fail in the all-reduce
+    because of it. In each of 20 runs the launcher names rank 1, its error last."""
+    env = _env()
+    for attempt in range(20):
+        out, err = io.StringIO(), io.StringIO()
+        code = run_job(LaunchConfig(CRASH_SCRIPT, nproc=nproc, env=env, stdout=out, stderr=err,
+                                    timeout=60))
+        text = err.getvalue()
+        lines = text.rstrip("\n").splitlines()
+        assert code == 1, text
+        assert re.search(r"^gpucoll run: root cause \(first observed failure\): rank 1 failed "
+                         r"\(exit code 1\)", text, re.MULTILINE), (attempt, text)
+        assert lines[-1] == "[rank 1] RuntimeError: boom", (attempt, text)
+        if nproc == 2:  # the abort told rank 0 why
+            assert "(peer 1 reported: rank 1 raised RuntimeError: boom)" in text, text

@@ -95,7 +95,7 @@ def test_auto_takes_the_usable_backend_of_highest_priority(toy):
 
 
 def test_unknown_and_bad_names(toy):
-    with pytest.raises(ValueError, match=r"unknown backend 'gloo'; registered: auto, cpu, nccl, toy"):
+    with pytest.raises(ValueError, match=r"unknown backend 'gloo'; registered: auto, cpu, nccl, mpi, toy"):
         registry.resolve_backend("gloo")
     for bad in ("auto", "", "a b"):
         with pytest.raises(ValueError, match="bad backend name"):

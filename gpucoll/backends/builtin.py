@@ -3,7 +3,10 @@
 ``cpu``: NumPy arrays over the transports of ``gpucoll.transports`` (CuPy arrays staged
 through host memory); always available; ``auto``'s fallback. ``nccl``: GPU arrays through
 NCCL (CuPy); ``auto`` prefers it when CuPy, NCCL and a GPU are usable and every rank on this
-host can have a GPU of its own (or NCCL >= 2.30 may share one).
+host can have a GPU of its own (or NCCL >= 2.30 may share one). ``mpi``: host arrays through
+mpi4py under an MPI launcher (device arrays directly when MPI is CUDA-aware, else staged);
+never picked by ``auto`` (a job started by mpiexec may well want NCCL for its GPUs), so it is
+chosen by name: ``backend="mpi"`` or ``GPUCOLL_BACKEND=mpi``.
 
 Each factory reads its own settings from ``gpucoll.config``; ``init()`` passes only the
 common ones and the options the backend declares.
@@ -16,7 +19,7 @@ from typing import Optional
 from .. import config, cuda_env
 from .registry import register_backend
 
-__all__ = ["cpu_factory", "nccl_factory", "shared_gpu_reason"]
+__all__ = ["cpu_factory", "nccl_factory", "mpi_factory", "shared_gpu_reason"]
 
 
 def cpu_factory(store, rank: int, world_size: int, *, transport: Optional[str] = None,
@@ -52,6 +55,19 @@ def nccl_factory(store, rank: int, world_size: int, *, device: Optional[int] = N
                             watchdog_interval=config.get("GPUCOLL_WATCHDOG_INTERVAL"), **common)
 
 
+def mpi_factory(store, rank: int, world_size: int, **common):
+    """An ``MPICommunicator`` over a duplicate of ``MPI.COMM_WORLD`` (no store)."""
+    from .mpi import mpi_factory as factory
+
+    return factory(store, rank, world_size, **common)
+
+
+def _mpi_unavailable_reason() -> Optional[str]:
+    from .mpi_types import mpi_unavailable_reason
+
+    return mpi_unavailable_reason()
+
+
 def shared_gpu_reason(local_size: Optional[int]) -> Optional[str]:
     """Why NCCL cannot give each of ``local_size`` ranks on this host a GPU (None: it can)."""
     count = cuda_env.device_count()
@@ -72,3 +88,10 @@ register_backend(
     description="GPU arrays through NCCL (CuPy); one GPU per rank",
     unavailable_hint="use backend='cpu' (CuPy arrays are staged through host memory) or "
                      "backend='auto'")
+register_backend(
+    "mpi", mpi_factory, _mpi_unavailable_reason, memory="host", auto_priority=None,
+    needs_store=False,
+    description="host arrays through mpi4py under mpiexec / mpirun / srun --mpi (device arrays "
+                "directly when MPI is CUDA-aware, else staged)",
+    unavailable_hint="install the mpi extra (pip install 'gpucoll[mpi]') and start the job with "
+                     "mpiexec, or use backend='cpu'")

@@ -26,6 +26,7 @@ import numpy as np
 from .. import algorithms
 from ..algorithms.direct import byte_view
 from ..communicator import Communicator
+from ..hostarrays import host_view, like_caller
 from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutError, GpucollError,
                       PeerError)
 from ..rendezvous.store import PrefixStore, Store
@@ -58,6 +59,7 @@ class CPUCommunicator(Communicator):
     """Communicator over NumPy arrays (CuPy arrays are staged through the host)."""
 
     backend = "cpu"
+    _converts_arrays = True  # torch CPU tensors and other host DLPack objects, in place
 
     def __init__(self, store: Store, rank: int, size: int, *, comm_id: str, token: str,
                  timeout: float, transport: str = "auto", advertise_host: str = "127.0.0.1",
@@ -93,6 +95,12 @@ class CPUCommunicator(Communicator):
         self._splits = 0
         self._aborted: Optional[str] = None
         self._closed = False
+
+    def _import_array(self, x, name: str):
+        return host_view(x, name)
+
+    def _export(self, result, like):
+        return like_caller(result, like)
 
     @property
     def transport_kinds(self) -> Dict[int, str]:
@@ -370,6 +378,10 @@ class CPUCommunicator(Communicator):
     def abort(self) -> None:
         """Abort at once: pending and later operations raise ``CommAbortedError``."""
         self._abort_with(f"abort() called on rank {self.rank}")
+        self._release_store()
+
+    def _abort_for(self, reason: str) -> None:
+        self._abort_with(reason)
         self._release_store()
 
     def close(self, timeout: Optional[float] = None) -> None:

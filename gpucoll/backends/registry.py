@@ -56,6 +56,8 @@ class BackendSpec:
             ``unavailable_reason`` (e.g. more ranks on this host than GPUs).
         description: one line for ``gpucoll doctor`` and the CLI help.
         unavailable_hint: what to do instead when it cannot run (said in the error).
+        needs_store: False for a backend that brings its own rendezvous (MPI): ``init()``
+            then opens no store and passes ``store=None`` to the factory.
     """
 
     name: str
@@ -67,6 +69,7 @@ class BackendSpec:
     auto_reason: Optional[Callable[[Optional[int]], Optional[str]]] = None
     description: str = ""
     unavailable_hint: str = ""
+    needs_store: bool = True
 
 
 _REGISTRY: Dict[str, BackendSpec] = {}
@@ -77,7 +80,8 @@ def register_backend(name: str, factory: Callable,
                      memory: str = "host", options: Iterable[str] = (),
                      auto_priority: Optional[int] = None,
                      auto_reason: Optional[Callable[[Optional[int]], Optional[str]]] = None,
-                     description: str = "", unavailable_hint: str = "") -> BackendSpec:
+                     description: str = "", unavailable_hint: str = "",
+                     needs_store: bool = True) -> BackendSpec:
     """Add (or replace) a backend; see :class:`BackendSpec` for the arguments.
 
     Raises:
@@ -92,7 +96,7 @@ def register_backend(name: str, factory: Callable,
                          f"got {memory!r}")
     spec = BackendSpec(name, factory, unavailable_reason or _always_available, memory,
                        frozenset(options), auto_priority, auto_reason, description,
-                       unavailable_hint)
+                       unavailable_hint, bool(needs_store))
     _REGISTRY[name] = spec
     return spec
 

@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from .. import kernels
+from ..hostarrays import host_view
 
 __all__ = ["Bucketer", "broadcast_parameters", "plan_buckets"]
 
@@ -130,6 +131,7 @@ class Bucketer:
         self.comm = comm
         self.compression = _COMPRESSION[compression]
         self.average = average
+        params = [host_view(p, f"params[{i}]") for i, p in enumerate(params)]
         self.shapes = [tuple(p.shape) for p in params]
         self.dtypes = [np.dtype(p.dtype) for p in params]
         sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.shapes]
@@ -144,6 +146,7 @@ class Bucketer:
                          for members in plan]
         self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
         self._grads: List[Any] = [None] * len(self.shapes)
+        self._callers: List[Any] = [None] * len(self.shapes)
         self._next_issue = 0
         self._accumulating = False
         self._accumulated: Dict[int, Any] = {}
@@ -179,6 +182,7 @@ class Bucketer:
         if not 0 <= index < len(self.shapes):
             raise ValueError(f"gradient index {index} is out of range for {len(self.shapes)} "
                              f"parameters")
+        caller, grad = grad, host_view(grad, f"gradient {index}")  # torch CPU tensors too
         if tuple(grad.shape) != self.shapes[index]:
             raise ValueError(f"gradient {index} has shape {tuple(grad.shape)}, expected "
                              f"{self.shapes[index]}")
@@ -188,6 +192,7 @@ class Bucketer:
         if self._grads[index] is not None:
             raise ValueError(f"gradient {index} was already marked ready in this step")
         self._grads[index] = grad
+        self._callers[index] = caller
         if self._accumulating:
             return
         previous = self._accumulated.pop(index, None)
@@ -242,8 +247,9 @@ class Bucketer:
                     self._accumulated[index] += grad
                 else:
                     self._accumulated[index] = grad.copy()
+            callers = self._callers
             self._reset(wait=False)
-            return grads
+            return callers
         check = (loss_scale is not None) if check_finite is None else check_finite
         self.found_inf = _zeros_beside(grads[0] if grads else None, 1, np.int32) if check \
             else None
@@ -257,8 +263,9 @@ class Bucketer:
                                offsets=bucket.offsets, scale=postscale, loss_scale=loss_scale,
                                found_inf=self.found_inf)
         finally:
+            callers = self._callers
             self._reset(wait=True)
-        return grads
+        return callers
 
     def found_nonfinite(self) -> bool:
         """Whether the last checked ``finish()`` saw inf or NaN (reads the flag: a sync point)."""
@@ -283,6 +290,7 @@ class Bucketer:
             bucket.ready = 0
             bucket.work = None
         self._grads = [None] * len(self.shapes)
+        self._callers = [None] * len(self.shapes)  # what mark_ready was given (finish returns it)
         self._next_issue = 0
 
 
@@ -298,6 +306,7 @@ def broadcast_parameters(comm, params: Sequence[Any], root: int = 0, *,
         params = init_params(seed=comm.rank)    # differ
         broadcast_parameters(comm, params)      # now all equal rank 0's
     """
+    given, params = params, [host_view(p, "params[]") for p in params]  # torch CPU tensors too
     groups: Dict[str, List[int]] = {}
     for index, param in enumerate(params):
         name = np.dtype(param.dtype).name
@@ -325,4 +334,4 @@ def broadcast_parameters(comm, params: Sequence[Any], root: int = 0, *,
             comm.broadcast(buffer, root=root)
             if comm.rank != root:
                 kernels.unpack(buffer, arrays, offsets=offsets)
-    return params
+    return given

@@ -32,8 +32,8 @@ def all_reduce_metrics(comm, metrics: Mapping[str, Any], op: str = "sum") -> Dic
     integral = []
     for position, name in enumerate(names):
         value = metrics[name]
-        if hasattr(value, "item"):
-            value = value.item() if getattr(value, "size", 1) == 1 else value
+        if hasattr(value, "item") and int(np.prod(getattr(value, "shape", ()))) == 1:
+            value = value.item()  # NumPy, CuPy and torch scalars and 1-element arrays
         if not isinstance(value, (int, float, np.integer, np.floating, bool)):
             raise TypeError(f"metric {name!r} must be a scalar, got {type(value).__name__}")
         integral.append(isinstance(value, (int, np.integer)))

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import List, Tuple
+import time
+from typing import List, Sequence, Tuple
 
-from ..errors import CommTimeoutError
-from .store import Store
+from ..auth import TOKEN_DIFFERS
+from ..errors import AuthenticationError, CommTimeoutError
+from .store import AUTH_REFUSED_KEY, PrefixStore, Store
 
-__all__ = ["host_id", "exchange_host_ids", "local_rank", "route_address"]
+__all__ = ["host_id", "exchange_host_ids", "local_rank", "route_address", "wait_for_join"]
+
+_JOIN_SLICE = 0.5  # seconds between looks for a refused token while ranks join
 
 
 def host_id() -> str:
@@ -41,12 +45,7 @@ def exchange_host_ids(store: Store, rank: int, size: int, timeout: float,
         return [mine]
     store.set(f"{prefix}/{rank}", mine.encode())
     keys = [f"{prefix}/{r}" for r in range(size)]
-    try:
-        store.wait(keys, timeout)
-    except CommTimeoutError:
-        missing = [int(key.rsplit("/", 1)[1]) for key in store.missing(keys)]
-        raise CommTimeoutError(f"rank {rank}: rank(s) {missing} of {size} did not join within "
-                               f"{timeout:g} s", rank=rank, op="init") from None
+    wait_for_join(store, keys, timeout, rank, size)
     return [mine if r == rank else store.get(keys[r], timeout).decode() for r in range(size)]
 
 
@@ -69,3 +68,34 @@ def route_address(host: str, port: int) -> str:
         return socket.gethostbyname(socket.gethostname())
     finally:
         probe.close()
+
+
+def wait_for_join(store: Store, keys: Sequence[str], timeout: float, rank: int,
+                  size: int) -> None:
+    """Wait for the ranks' keys (``.../<rank>``); fail at once when the store's server turned
+    away a client with a different token, since the rank it belongs to will never join.
+
+    Raises:
+        AuthenticationError: a process with another token tried to join (within a second).
+        CommTimeoutError: ranks that did not join within ``timeout`` (named).
+    """
+    root = store
+    while isinstance(root, PrefixStore):
+        root = root.store
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            store.wait(keys, max(min(remaining, _JOIN_SLICE), 0.001))
+            return
+        except CommTimeoutError:
+            if root.check([AUTH_REFUSED_KEY]):
+                missing = [int(key.rsplit("/", 1)[1]) for key in store.missing(keys)]
+                who = root.get(AUTH_REFUSED_KEY, 1.0).decode(errors="replace")
+                raise AuthenticationError(
+                    f"rank {rank}: rank(s) {missing} of {size} cannot join: {who}; "
+                    f"{TOKEN_DIFFERS}") from None
+            if remaining <= _JOIN_SLICE:
+                missing = [int(key.rsplit("/", 1)[1]) for key in store.missing(keys)]
+                raise CommTimeoutError(f"rank {rank}: rank(s) {missing} of {size} did not join "
+                                       f"within {timeout:g} s", rank=rank, op="init") from None

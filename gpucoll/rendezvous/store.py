@@ -90,6 +90,10 @@ class Store(abc.ABC):
         self.close()
 
 
+AUTH_REFUSED_KEY = "gpucoll/auth/refused"
+"""Set by a TCP store's server when a client proved a different token (the message says who)."""
+
+
 class PrefixStore(Store):
     """A view of another store with every key under ``prefix/``."""
 

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 from .. import auth
 from ..errors import AuthenticationError, CommTimeoutError, StoreError
-from .store import Store
+from .store import AUTH_REFUSED_KEY, Store
 
 __all__ = ["TCPStore", "TCPStoreServer", "MAX_KEY_BYTES", "MAX_KEYS", "format_address"]
 
@@ -254,6 +254,12 @@ class TCPStoreServer:
                     return
                 conn.settimeout(_REQUEST_STALL_TIMEOUT)
                 self._handle(conn, first[0])
+        except auth.WrongTokenError:
+            message = f"a process at {format_address(*peer[:2])} presented a different token"
+            logger.warning("store %s: %s", self.address, message)
+            with self._cond:  # ranks waiting to join see it (rendezvous.hosts.wait_for_join)
+                self._data[AUTH_REFUSED_KEY] = message.encode()
+                self._cond.notify_all()
         except (auth.HandshakeError, _ProtocolError) as exc:
             logger.warning("store %s: dropped the connection from %s: %s", self.address, peer, exc)
         except (OSError, _ServerClosing) as exc:

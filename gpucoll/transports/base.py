@@ -20,6 +20,8 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
+from ..types import dtype_from_code
+
 HEADER = struct.Struct("<BBHIQQ")
 HEADER_BYTES = HEADER.size  # 24
 
@@ -128,6 +130,16 @@ class Transport(abc.ABC):
         """Close every connection (idempotent)."""
 
 
+def _dtype_text(code: int) -> str:
+    """The dtype's name for a wire code ("raw bytes" for 0), as the user wrote it."""
+    if code == 0:
+        return "raw bytes"
+    try:
+        return dtype_from_code(code)
+    except KeyError:
+        return f"unknown dtype code {code}"
+
+
 def check_header(header: Tuple[int, int, int, int, int, int], frame: Frame, nbytes: int,
                  rank: int, peer: int) -> Optional[str]:
     """Compare a received header with what was expected; return a description of the mismatch."""
@@ -139,7 +151,10 @@ def check_header(header: Tuple[int, int, int, int, int, int], frame: Frame, nbyt
     if (op, seq, dtype, tag, got_bytes) == (expected_op, frame.seq, frame.dtype,
                                             frame.tag & 0xFFFFFFFF, nbytes):
         return None
-    theirs = f"{OP_NAMES.get(op, f'op {op}')} #{seq} (dtype code {dtype}, tag {tag}, {got_bytes} bytes)"
-    ours = f"{frame.op} #{frame.seq} (dtype code {frame.dtype}, tag {frame.tag}, {nbytes} bytes)"
+    tags = tag != frame.tag & 0xFFFFFFFF  # a tag is worth naming only when it differs
+    theirs = (f"{OP_NAMES.get(op, f'op {op}')} #{seq} ({_dtype_text(dtype)}"
+              f"{f', tag {tag}' if tags else ''}, {got_bytes} bytes)")
+    ours = (f"{frame.op} #{frame.seq} ({_dtype_text(frame.dtype)}"
+            f"{f', tag {frame.tag}' if tags else ''}, {nbytes} bytes)")
     return f"rank {rank} expected {ours} from peer {peer} but peer {peer} sent {theirs}"
 

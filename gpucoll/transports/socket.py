@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import auth
 from ..errors import CollectiveMismatchError, CommTimeoutError, GpucollError, PeerError
+from ..rendezvous.hosts import wait_for_join
 from ..rendezvous.store import Store
 from .base import HEADER, HEADER_BYTES, KIND_CLOSE, Frame, Recv, Transport, check_header
 
@@ -183,13 +184,7 @@ class SocketTransport(Transport):
             try:
                 store.set(f"addr/{rank}", json.dumps(me).encode())
                 keys = [f"addr/{r}" for r in range(size)]
-                try:
-                    store.wait(keys, max(deadline - time.monotonic(), 0.001))
-                except CommTimeoutError:
-                    missing = [int(key.split("/")[1]) for key in store.missing(keys)]
-                    raise CommTimeoutError(
-                        f"rank {rank}: rank(s) {missing} of {size} did not join within "
-                        f"{timeout:g} s", rank=rank, op="init") from None
+                wait_for_join(store, keys, max(deadline - time.monotonic(), 0.001), rank, size)
                 peers = {r: json.loads(store.get(f"addr/{r}", 1.0)) for r in range(size) if r != rank}
                 for peer in range(rank):
                     sock, kind = cls._connect_peer(peers[peer], links[peer], peer, rank, comm_id,

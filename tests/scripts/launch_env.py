@@ -9,7 +9,8 @@ import os
 import sys
 
 NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-         "MASTER_PORT", "GPUCOLL_AUTH_TOKEN", "GPUCOLL_LAUNCHER_STORE", "PYTHONUNBUFFERED"]
+         "MASTER_PORT", "GPUCOLL_AUTH_TOKEN", "GPUCOLL_LAUNCHER_STORE", "PYTHONUNBUFFERED",
+         "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"]
 
 report = {name: os.environ.get(name) for name in NAMES}
 report["argv"] = sys.argv[1:]
