@@ -28,6 +28,7 @@ from ..algorithms.direct import byte_view
 from ..communicator import Communicator
 from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutError, GpucollError,
                       PeerError)
+from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
 from ..transports.base import Frame, Recv
 from ..rendezvous import hosts
@@ -163,22 +164,22 @@ class CPUCommunicator(Communicator):
         peer = getattr(exc, "peer", None)
         if not isinstance(exc, PeerError) or peer is None:
             return exc
-        try:
-            if self._store.check([f"abort/{peer}"]):
-                reason = self._store.get(f"abort/{peer}", 1.0).decode(errors="replace")
-                exc.args = (f"{exc.args[0]} (peer {peer} reported: {reason})",)
-        except Exception:  # the store may be gone with the peer
-            pass
+        key = f"abort/{peer}"
+        # the store may be gone with the peer: ask for a moment only, never a full timeout
+        read, reason = best_effort(
+            lambda: self._store.get(key, 0.0) if self._store.check([key]) else None, READ_BUDGET)
+        if read and reason is not None:
+            exc.args = (f"{exc.args[0]} (peer {peer} reported: "
+                        f"{reason.decode(errors='replace')})",)
         return exc
 
     def _abort_with(self, reason: str) -> None:
         if self._aborted is not None:
             return
         self._aborted = reason
-        try:
-            self._store.set(f"abort/{self.rank}", reason.encode())
-        except Exception:
-            pass
+        # why, for the peers' errors: published before the links close (peers read it when
+        # they see the closed link); best effort, since the store may be unreachable now
+        best_effort(lambda: self._store.set(f"abort/{self.rank}", reason.encode()), ABORT_BUDGET)
         self._transport.close()
         self._order.wake()
 

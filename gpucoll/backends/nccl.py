@@ -43,6 +43,7 @@ from .. import cuda_env
 from ..communicator import Communicator
 from ..errors import CommAbortedError, CommTimeoutError, GpucollError
 from ..rendezvous import hosts
+from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
 from ..types import ReduceOp
 from . import nccl_runtime, signature
@@ -87,6 +88,7 @@ class NCCLCommunicator(Communicator):
         self._p2p_seq = 0
         self._splits = 0
         self._lock = threading.Lock()
+        self._publisher: Optional[threading.Thread] = None
         if _local is None:
             _local = self._local_rank()
         self.local_rank, self.local_size = _local
@@ -186,10 +188,8 @@ class NCCLCommunicator(Communicator):
             if kind == "timeout":
                 message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
             self._failure = (error_type, message)
-        try:
-            self._store.set(f"abort/{self.rank}", message.encode())
-        except Exception:
-            pass
+        # the store may be unreachable now (its host lost): a short budget, never a timeout
+        best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
         try:
             self.nccl_comm.abort()
         except Exception:
@@ -240,11 +240,21 @@ class NCCLCommunicator(Communicator):
         return text + "; every rank had issued it, so NCCL itself stalled (NCCL_DEBUG=INFO)"
 
     def _ranks_behind(self, seq: int) -> Optional[List[int]]:
-        time.sleep(min(2 * self._watchdog_interval, 1.0))  # let peers publish their progress
-        return nccl_runtime.ranks_behind(self._store, self.size, self.rank, seq)
+        time.sleep(min(2 * self._watchdog_interval, 0.5))  # let peers publish their progress
+        read, late = best_effort(
+            lambda: nccl_runtime.ranks_behind(self._store, self.size, self.rank, seq), READ_BUDGET)
+        return late if read else None
 
     def _publish_progress(self, issued: int) -> None:
-        nccl_runtime.publish_progress(self._store, self.rank, issued)
+        """Publish progress on a helper thread: the watchdog never blocks on the store (an
+        unreachable store would hold back the timeout it enforces); one publish at a time."""
+        if self._publisher is not None and self._publisher.is_alive():
+            raise RuntimeError("the previous progress update has not reached the store yet")
+        self._publisher = threading.Thread(
+            target=best_effort, name="gpucoll-progress", daemon=True,
+            args=(lambda: nccl_runtime.publish_progress(self._store, self.rank, issued),
+                  self.timeout))
+        self._publisher.start()
 
     def _check_async_error(self) -> None:
         if self._failure is None and not self._closed:
