@@ -188,12 +188,12 @@ class NCCLCommunicator(Communicator):
             if kind == "timeout":
                 message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
             self._failure = (error_type, message)
-        # the store may be unreachable now (its host lost): a short budget, never a timeout
-        best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
         try:
             self.nccl_comm.abort()
         except Exception:
             pass
+        # the store may be unreachable now (its host lost): a short budget, never a timeout
+        best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
 
     def _on_watchdog(self, kind: str, message: str, pending: Optional[Pending]) -> None:
         if kind == "timeout" and pending is not None:
