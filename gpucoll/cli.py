@@ -111,8 +111,8 @@ def _add_bench_parser(commands) -> None:
     add("-c", "--check", type=int, default=1, choices=(0, 1), metavar="0|1",
         help="check every result (default: 1)")
     add("-d", "--datatype", dest="dtype", default="float", metavar="TYPE",
-        help="int8, uint8, int32, uint32, int64, uint64, half, float, double (or NumPy names), "
-             "a comma-separated list, or all (default: float)")
+        help="int8, uint8, int32, uint32, int64, uint64, half, float, double, bfloat16 (or "
+             "NumPy names), a comma-separated list, or all (default: float)")
     add("-o", "--op", default="sum", metavar="OP",
         help="sum, prod, min, max, avg, band, bor, bxor, a list, or all (default: sum)")
     add("-r", "--root", type=int, default=0, metavar="RANK",
@@ -125,7 +125,23 @@ def _add_bench_parser(commands) -> None:
         help="gpucoll backend, auto or a registered one (default: GPUCOLL_BACKEND, i.e. auto)")
     add("--compare", default=None, choices=("gloo",),
         help="also time torch.distributed's Gloo backend in the same ranks; adds a ratio column")
-    add("--json", default=None, metavar="FILE", help="write every row and the summary as JSON")
+    add("-a", "--average", type=int, default=1, choices=(0, 1, 2, 3), metavar="0|1|2|3",
+        help="time of a size over the ranks: 0 rank 0, 1 mean, 2 fastest, 3 slowest (default: 1)")
+    add("--rounds", type=int, default=1, metavar="N",
+        help="split the timed iterations into N rounds, variants taking turns; show the best")
+    add("--iter-bytes", default=None, metavar="SIZE",
+        help="time SIZE / size iterations per size, at least --min-iters and at most -n")
+    add("--min-iters", type=int, default=1, metavar="N", help="see --iter-bytes (default: 1)")
+    add("--transport", default=None, metavar="LIST",
+        help="measure one cpu-backend communicator per GPUCOLL_TRANSPORT value, e.g. unix,tcp")
+    add("--modes", default="all", choices=("all", "matched"),
+        help="matched: only the mode torch.distributed's call has (default: all)")
+    add("--ceiling", default=None, metavar="SIZE",
+        help="first measure the raw two-way socket rate of each transport with SIZE bytes")
+    add("--table", default="nccl-tests", choices=("nccl-tests", "side-by-side"),
+        help="table layout (default: nccl-tests)")
+    add("--json", default=None, metavar="FILE",
+        help="write every row, the summary and the machine as JSON (-: to stdout)")
     add("--csv", default=None, metavar="FILE", help="write every row as CSV")
     add("--plot", default=None, metavar="FILE.png",
         help="plot busbw against size (needs matplotlib: pip install 'gpucoll[plot]')")
@@ -189,7 +205,11 @@ def _cmd_bench(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -
             iters=namespace.iters, warmup=namespace.warmup, check=bool(namespace.check),
             dtypes=perf.parse_dtypes(namespace.dtype), ops=perf.parse_ops(namespace.op),
             root=namespace.root, timeout=namespace.timeout, backend=namespace.backend,
-            compare=namespace.compare)
+            compare=namespace.compare, average=namespace.average, rounds=namespace.rounds,
+            iter_bytes=perf.parse_size(namespace.iter_bytes) if namespace.iter_bytes else 0,
+            min_iters=namespace.min_iters, modes=namespace.modes, table=namespace.table,
+            transports=perf.parse_transports(namespace.transport) if namespace.transport else (),
+            ceiling_bytes=perf.parse_size(namespace.ceiling) if namespace.ceiling else 0)
         if namespace.nprocs is not None and not 0 <= namespace.root < namespace.nprocs:
             raise perf.UsageError(f"-r {namespace.root} is out of range for -g {namespace.nprocs}")
         return perf.run_bench(opts, namespace.json, namespace.csv, namespace.plot)

@@ -145,12 +145,12 @@ def combine_fn(op: ReduceOp, dtype) -> Callable[[np.ndarray, np.ndarray], None]:
 
 
 def finish_avg(result: np.ndarray, world_size: int) -> None:
-    """Divide a SUM by the world size in place: true division for floating and complex dtypes,
-    truncation toward zero for integers (as C and NCCL do)."""
+    """Divide a SUM by the world size in place: true division for floating (bfloat16 included)
+    and complex dtypes, truncation toward zero for integers (as C and NCCL do)."""
     if world_size == 1:
         return
     kind = result.dtype.kind
-    if kind in "fc":
+    if kind in "fc" or result.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 has kind "V"
         np.divide(result, world_size, out=result)
     elif kind == "u":
         np.floor_divide(result, world_size, out=result)

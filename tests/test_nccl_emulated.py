@@ -4,8 +4,8 @@ reductions and data movement for every dtype, point-to-point, arrays handed back
 Ranks are threads; each builds its communicator with ``gpucoll.init(backend="nccl")`` through a
 file store. What is tested is gpucoll's own bookkeeping: how arguments become NCCL calls, the
 pointer arithmetic of gather / scatter / all_to_all, which array comes back. Real NCCL on a
-real GPU is tested by tests/test_nccl_gpu.py; faults, streams and the watchdog by
-tests/test_nccl_emulated_faults.py.
+real GPU is tested by tests/test_nccl_gpu.py; faults and the watchdog by
+tests/test_nccl_emulated_faults.py, Work and streams by tests/test_nccl_emulated_streams.py.
 """
 
 import sys

@@ -1,5 +1,5 @@
-"""The NCCL backend over the CUDA emulation (tests/emulated_cuda/): Work and streams, the
-watchdog, GPUCOLL_DEBUG, split, lifetime, timeouts, and the emulation's own checks.
+"""The NCCL backend over the CUDA emulation (tests/emulated_cuda/): the watchdog,
+GPUCOLL_DEBUG, split, lifetime, timeouts, and the emulation's own checks.
 
 Ranks are threads (see tests/nccl_emulated_harness.py). Real NCCL on a real GPU is tested by
 tests/test_nccl_gpu.py.
@@ -12,171 +12,12 @@ import numpy as np
 import pytest
 
 import gpucoll
-from gpucoll.backends.nccl import CudaWork
 from gpucoll.errors import CollectiveMismatchError, CommAbortedError, CommTimeoutError
 
 from emulated_cuda import NcclError
 from nccl_emulated_harness import _calls, _Foreign, _wait_until, emu, run  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
-
-
-# ---------------------------------------------------------------- Work and streams
-class _TorchLikeStream:
-    def __init__(self, ptr):
-        self.cuda_stream = ptr
-
-
-class _ProtocolStream:
-    def __init__(self, ptr):
-        self._ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self._ptr)
-
-
-def test_async_work_follows_its_stream(run, emu):
-    cp = emu.cupy
-
-    def fn(comm):
-        producer = cp.cuda.Stream(non_blocking=True)
-        consumer = cp.cuda.Stream(non_blocking=True)
-        x = cp.arange(8, dtype=cp.float32)
-        emu.stall(producer)
-        work = comm.all_reduce(x, "max", async_op=True, stream=producer)
-        assert isinstance(work, CudaWork) and isinstance(work, gpucoll.Work)
-        assert (work.op, work.seq) == ("all_reduce", 1)
-        assert not work.is_completed() and work.exception() is None
-        assert "pending" in repr(work)
-        assert emu.pending(producer) == 2  # the all-reduce and its event
-        with consumer:
-            assert work.wait()  # the consumer stream waits; the host does not
-            after = cp.cuda.Event()
-            after.record(consumer)
-        assert not after.done  # held behind the producer's operation
-        emu.release(producer)
-        assert work.is_completed() and after.done and "done" in repr(work)
-        assert work.synchronize() and work.exception() is None
-        assert work.result() is x
-
-        with producer:  # no stream=: the current stream
-            emu.stall(producer)
-            w2 = comm.all_reduce(cp.full(4, 3.0), async_op=True)
-            assert not w2.is_completed() and emu.pending(producer) == 2
-            emu.release(producer)
-        assert w2.is_completed()
-        for given in (producer.ptr, _TorchLikeStream(producer.ptr), _ProtocolStream(producer.ptr),
-                      producer):
-            emu.stall(producer)
-            z = cp.ones(2)
-            assert comm.all_reduce(z, stream=given) is z
-            assert emu.pending(producer) == 2, given
-            emu.release(producer)
-        comm.synchronize(timeout=5)
-        assert _wait_until(lambda: comm._watchdog.outstanding() == [])  # retired by the watchdog
-        return True
-
-    assert run(1, fn) == [True]
-
-
-def test_a_held_collective_runs_when_its_stream_goes_on(run, emu):
-    cp = emu.cupy
-    releasing = threading.Event()
-
-    def fn(comm):
-        x = cp.full(4, comm.rank + 1.0)
-        if comm.rank == 0:
-            stream = cp.cuda.Stream(non_blocking=True)
-            emu.stall(stream)
-            work = comm.all_reduce(x, async_op=True, stream=stream)
-            time.sleep(0.1)
-            assert not work.is_completed()
-            np.testing.assert_array_equal(x.get(), np.full(4, 1.0))  # nothing ran yet
-            releasing.set()
-            emu.release(stream)  # runs here and meets rank 1
-            assert work.synchronize(timeout=5)
-        else:
-            comm.all_reduce(x)  # waits in the emulated NCCL for rank 0
-            assert releasing.is_set()
-        np.testing.assert_array_equal(x.get(), np.full(4, 3.0))
-        return True
-
-    assert run(2, fn) == [True, True]
-
-
-def test_synchronize_timeout_aborts_the_communicator(run, emu):
-    cp = emu.cupy
-
-    def fn(comm):
-        stream = cp.cuda.Stream(non_blocking=True)
-        x = cp.ones(4)
-        emu.stall(stream)
-        work = comm.all_reduce(x, async_op=True, stream=stream)
-        started = time.monotonic()
-        with pytest.raises(CommTimeoutError,
-                           match=r"rank 0: all_reduce #1 did not complete on GPU 0 within 0.2 s"
-                                 r"; every rank had issued it, so NCCL itself stalled.*"
-                                 r"the communicator was aborted") as info:
-            work.synchronize(timeout=0.2)
-        assert 0.2 <= time.monotonic() - started < 3
-        assert (info.value.op, info.value.seq, info.value.rank) == ("all_reduce", 1, 0)
-        assert comm.nccl_comm._status == "aborted"
-        assert work.is_completed() and isinstance(work.exception(), CommTimeoutError)
-        with pytest.raises(CommTimeoutError, match="all_reduce #1 did not complete"):
-            work.wait()
-        with pytest.raises(CommTimeoutError, match="all_reduce #1 did not complete"):
-            comm.all_reduce(x)
-        with pytest.raises(CommTimeoutError):
-            comm.barrier()
-        emu.release(stream)  # the aborted operation is dropped; nothing hangs
-        assert work.is_completed()
-        return True
-
-    assert run(1, fn) == [True]
-    assert emu.calls["abort"] == 1
-
-
-def test_a_cuda_fault_is_named_at_once_not_reported_as_a_timeout(run, emu):
-    """cudaEventQuery returns an error status without raising; a failed event is not "still
-    running": the watchdog and a host wait both name the CUDA error."""
-    cp = emu.cupy
-
-    def fn(comm):
-        stream = cp.cuda.Stream(non_blocking=True)
-        x = cp.ones(4)
-        emu.stall(stream)
-        comm.all_reduce(x, stream=stream)
-        emu.inject_fault(stream, 700)
-        started = time.monotonic()
-        _wait_until(lambda: comm._failure is not None)
-        assert time.monotonic() - started < 3  # the communicator's timeout is 10 s
-        with pytest.raises(CommAbortedError, match=r"all_reduce #1: the GPU reported "
-                                                   r"cudaErrorIllegalAddress.*CUDA error 700"):
-            comm.all_reduce(x)
-        assert comm.nccl_comm._status == "aborted"
-        emu.release(stream)
-        return True
-
-    assert run(1, fn) == [True]
-
-
-def test_a_cuda_fault_ends_a_host_wait_with_its_name(run, emu, monkeypatch):
-    cp = emu.cupy
-    monkeypatch.setenv("GPUCOLL_WATCHDOG_INTERVAL", "30")  # the host wait sees it first
-
-    def fn(comm):
-        stream = cp.cuda.Stream(non_blocking=True)
-        x = cp.ones(4)
-        emu.stall(stream)
-        work = comm.all_reduce(x, async_op=True, stream=stream)
-        emu.inject_fault(stream, 719)
-        with pytest.raises(CommAbortedError, match="cudaErrorLaunchFailure"):
-            work.synchronize(timeout=5)
-        assert work.is_completed() and isinstance(work.exception(), CommAbortedError)
-        emu.release(stream)
-        return True
-
-    assert run(1, fn) == [True]
 
 
 # ---------------------------------------------------------------- watchdog

@@ -240,7 +240,7 @@ def test_rank_failure_is_reported(tmp_path):
     (["-b", "1X"], "bad size"),
     (["-b", "64M", "-e", "8"], "bad size range"),
     (["-o", "band", "-d", "float"], "band"),
-    (["-d", "bfloat16"], "unknown data type"),
+    (["-d", "bfloat8"], "unknown data type"),
     (["-o", "mean"], "unknown reduction op"),
     (["-n", "0"], "-n must be"),
     (["-g", "2", "-r", "2"], "out of range"),

@@ -1,23 +1,36 @@
-"""The ``gpucoll bench`` engine: the timing loop, the Gloo comparison and the rank processes.
+"""The ``gpucoll bench`` timing loop: one row = every variant of one collective at one size.
 
+A *variant* is one thing timed: a mode (``"out"`` of place, ``"in"`` place) of a gpucoll
+communicator, one communicator per transport when several are compared, or Gloo's call.
 :func:`run_rank` runs the whole sweep on one rank through the Communicator API and emits rows
-to rank 0's reporter. :func:`run_bench` either spawns the ranks itself or, when a launcher
-(``gpucoll run``, torchrun, mpiexec, srun) started this process, runs as one of them.
+to rank 0's reporter.
+
+How a row is timed, on every rank: each variant runs ``warmup`` untimed calls, the ranks meet in
+that variant's barrier, and ``iters`` calls are timed back to back (a GPU stream is synchronized
+before the clock stops); Python's cyclic garbage collector is paused inside the timed loop. With
+``rounds`` > 1 the timed calls are split into rounds and the variants take turns round by round
+(in an order rotated from size to size), so that a burst of load elsewhere on the machine hits
+them alike. Then each variant's result is checked once, from fresh inputs. A round's time is
+combined over the ranks as nccl-tests' ``-a`` says (default: the mean of the ranks' mean time
+per call); the row shows the best round. With the defaults (one round, ``-a 1``) this is
+nccl-tests' method and the method of earlier gpucoll releases.
 """
 
 from __future__ import annotations
 
+import gc as garbage_collector
 import os
 import time
-from typing import Any, Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..types import ReduceOp
 from .devices import _device_for, _Host
-from .options import _SHOWN_TYPE, BenchOptions, UsageError
-from .report import Reporter, finish, require_matplotlib
+from .options import _SHOWN_TYPE, BenchOptions
 from .specs import COLLECTIVES, Collective
+
+UNSTEADY_SPREAD = 2.0  # an entry is "unsteady" when its slowest round took more than this x its best
 
 
 # ---------------------------------------------------------------- measuring (every rank)
@@ -28,23 +41,17 @@ def _timed(run: Callable[[], None], sync: Callable[[], None], barrier: Callable[
         run()
     sync()
     barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        run()
-    sync()
-    return (time.perf_counter() - start) / iters
-
-
-def _stats(comm, dev, seconds: float, wrong: Optional[int]) -> Dict[str, Any]:
-    """Mean time over ranks and the total wrong count (one small all_reduce, outside timing)."""
-    values = np.array([seconds, wrong or 0], np.float64)
-    if comm.size > 1:
-        buf = dev.empty(2, np.float64)
-        dev.put(buf, values)
-        comm.all_reduce(buf)
-        values = np.array(dev.get(buf), np.float64)
-    return {"time_us": values[0] / comm.size * 1e6,
-            "wrong": None if wrong is None else int(round(values[1]))}
+    collecting = garbage_collector.isenabled()
+    garbage_collector.disable()  # a cycle collection inside the loop is noise, not the library
+    try:
+        start = time.perf_counter()
+        for _ in range(iters):
+            run()
+        sync()
+        return (time.perf_counter() - start) / iters
+    finally:
+        if collecting:
+            garbage_collector.enable()
 
 
 def _bandwidths(entry: Dict[str, Any], nbytes: int, factor: float) -> Dict[str, Any]:
@@ -54,53 +61,134 @@ def _bandwidths(entry: Dict[str, Any], nbytes: int, factor: float) -> Dict[str, 
     return entry
 
 
-class _GlooSide:
-    """torch.distributed's Gloo backend in the same rank processes (a second process group)."""
+def variant_keys(labels: Sequence[Optional[str]], modes: Sequence[str]) -> List[Tuple[str, Optional[str], str]]:
+    """(key, transport label, mode) of the gpucoll variants of one row.
 
-    _OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "band": "BAND",
-            "bor": "BOR", "bxor": "BXOR"}
-
-    def __init__(self, comm, dev, timeout: float):
-        import datetime
-        import warnings
-
-        import torch
-        import torch.distributed as dist
-        from ..api import detect_environment
-
-        warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
-        self.torch, self.dist = torch, dist
-        host = detect_environment().master_addr or "127.0.0.1"
-        wait = datetime.timedelta(seconds=timeout)
-        store = (dist.TCPStore(host, 0, comm.size, True, timeout=wait, wait_for_workers=False)
-                 if comm.rank == 0 else None)
-        port = np.array([store.port if store is not None else 0], np.int64)
-        if comm.size > 1:  # publish rank 0's port through gpucoll itself
-            buf = dev.empty(1, np.int64)
-            dev.put(buf, port)
-            comm.broadcast(buf, 0)
-            port = dev.get(buf)
-        if store is None:
-            store = dist.TCPStore(host, int(port[0]), comm.size, False, timeout=wait)
-        dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size,
-                                timeout=wait)
-
-    def op(self, op: Optional[ReduceOp]):
-        if op is None:
-            return None
-        name = self._OPS.get(op.value)
-        if name is None:
-            raise NotImplementedError(f"Gloo has no {op.value} reduction")
-        return getattr(self.dist.ReduceOp, name)
-
-    def close(self) -> None:
-        self.dist.destroy_process_group()
+    One communicator: the keys are the modes (``"out"``, ``"in"``), as nccl-tests' columns;
+    several: ``"<transport>/<mode>"``.
+    """
+    if len(labels) == 1:
+        return [(mode, labels[0], mode) for mode in modes]
+    return [(f"{label}/{mode}", label, mode) for label in labels for mode in modes]
 
 
-def _measure(comm, dev, coll: Collective, opts: BenchOptions, dtype, op, root, nbytes: int,
-             seed: int, gloo: Optional[_GlooSide]) -> Dict[str, Any]:
-    """One table row: every mode of ``coll`` at one size (and Gloo's, when compared)."""
-    nranks, rank = comm.size, comm.rank
+@dataclass
+class _Variant:
+    """One timed thing: its calls, barrier, sync, input fill and result check."""
+
+    key: str
+    run: Callable[[], None]
+    barrier: Callable[[], None]
+    sync: Callable[[], None]
+    fill: Callable[[int], None]
+    wrong: Callable[[int], int]
+    seed: int
+
+
+def _gpucoll_variant(key, comm, dev, coll: Collective, bufs, mode, op, root, seed) -> _Variant:
+    rank, nranks = comm.rank, comm.size
+
+    def check(check_seed: int) -> int:
+        coll.fill(dev, bufs, mode, check_seed, rank, nranks, op, root)
+        coll.run(comm, bufs, mode, op, root)
+        dev.sync()
+        return coll.wrong(dev, bufs, mode, check_seed, rank, nranks, op, root)
+
+    return _Variant(key, lambda: coll.run(comm, bufs, mode, op, root), comm.barrier, dev.sync,
+                    lambda s: coll.fill(dev, bufs, mode, s, rank, nranks, op, root), check, seed)
+
+
+def _gloo_variant(gloo, host, coll: Collective, bufs, op, root, rank, nranks, seed):
+    """Gloo's call on host buffers, or None (N/A) for a dtype torch cannot wrap or an op Gloo lacks."""
+    mode = coll.gloo_mode
+    try:
+        send, recv = gloo.tensor(bufs.send), gloo.tensor(bufs.recv)
+        torch_op = gloo.op(op)
+    except (TypeError, NotImplementedError):
+        return None
+    call = lambda: coll.gloo(gloo.dist, send, recv, torch_op, root, rank, nranks)  # noqa: E731
+
+    def check(check_seed: int) -> int:
+        coll.fill(host, bufs, mode, check_seed, rank, nranks, op, root)
+        call()
+        return coll.wrong(host, bufs, mode, check_seed, rank, nranks, op, root)
+
+    return _Variant("gloo", call, gloo.dist.barrier, lambda: None,
+                    lambda s: coll.fill(host, bufs, mode, s, rank, nranks, op, root), check, seed)
+
+
+def _play(variants: List[_Variant], iters: int, warmup: int, rounds: int, shift: int,
+          check: bool) -> Tuple[List[List[float]], List[Optional[int]]]:
+    """Time every variant (seconds per call in each round) and check each once."""
+    rounds = max(1, min(rounds, iters))
+    per_round = -(-iters // rounds)
+    seconds: List[List[float]] = [[] for _ in variants]
+    wrong: List[Optional[int]] = [None] * len(variants)
+    if rounds == 1:  # nccl-tests' order: each variant filled, warmed, timed and checked in turn
+        for index, variant in enumerate(variants):
+            variant.fill(variant.seed)
+            seconds[index].append(_timed(variant.run, variant.sync, variant.barrier, per_round,
+                                         warmup))
+            if check:
+                wrong[index] = variant.wrong(variant.seed + 1)
+        return seconds, wrong
+
+    def order(turn: int) -> List[int]:
+        turn %= len(variants)
+        return list(range(turn, len(variants))) + list(range(turn))
+
+    for index in order(shift):
+        variants[index].fill(variants[index].seed)
+        for _ in range(warmup):
+            variants[index].run()
+        variants[index].sync()
+    for round_index in range(rounds):
+        for index in order(shift + round_index):
+            variant = variants[index]
+            seconds[index].append(_timed(variant.run, variant.sync, variant.barrier, per_round, 0))
+    if check:
+        for index, variant in enumerate(variants):
+            wrong[index] = variant.wrong(variant.seed + 1)
+    return seconds, wrong
+
+
+def _combine(comm, dev, seconds: List[List[float]], wrong: List[Optional[int]],
+             average: int) -> List[Dict[str, Any]]:
+    """Every rank's round times and wrong counts, gathered once (outside timing) and combined.
+
+    A round's time over the ranks: rank 0's (``average`` 0), the mean (1), the fastest (2) or
+    the slowest rank's (3); an entry's time is its best round. Wrong counts add up.
+    """
+    rounds = len(seconds[0])
+    local = np.array([times + [-1.0 if w is None else float(w)] for times, w in zip(seconds, wrong)],
+                     np.float64)
+    table = local[None]
+    if comm.size > 1:
+        buf = dev.empty(local.shape, np.float64)
+        dev.put(buf, local)
+        out = dev.empty((comm.size,) + local.shape, np.float64)
+        comm.all_gather(buf, out=out)
+        table = np.array(dev.get(out), np.float64)
+    combine = {0: lambda t: t[0], 1: lambda t: t.mean(axis=0), 2: lambda t: t.min(axis=0),
+               3: lambda t: t.max(axis=0)}[average]
+    entries = []
+    for index in range(len(seconds)):
+        per_round = combine(table[:, index, :rounds])
+        counts = table[:, index, rounds]
+        entry = {"time_us": float(per_round.min()) * 1e6,
+                 "wrong": None if (counts < 0).any() else int(round(counts.sum()))}
+        if rounds > 1:
+            entry["round_time_us"] = [float(t) * 1e6 for t in per_round]
+            entry["unsteady"] = bool(per_round.max() > UNSTEADY_SPREAD * per_round.min())
+        entries.append(entry)
+    return entries
+
+
+def _measure(comms, dev, coll: Collective, opts: BenchOptions, dtype, op, root, nbytes: int,
+             seed: int, gloo, shift: int) -> Dict[str, Any]:
+    """One table row: every variant of ``coll`` at one size."""
+    control = comms[0][1]
+    nranks, rank = control.size, control.rank
     count = coll.count_for(nbytes, dtype.itemsize, nranks)
     size = coll.size_of(count, dtype.itemsize, nranks)
     factor = coll.bus_factor(nranks)
@@ -109,55 +197,71 @@ def _measure(comm, dev, coll: Collective, opts: BenchOptions, dtype, op, root, n
                            "redop": op.value if op is not None else "none", "root": root,
                            "out": None, "in": None, "gloo": None, "ratio": None}
     bufs = coll.buffers(dev, count, dtype, nranks)
-    for index, mode in enumerate(coll.modes):
-        mode_seed = seed * 4 + index
-        coll.fill(dev, bufs, mode, mode_seed, rank, nranks, op, root)
-        seconds = _timed(lambda: coll.run(comm, bufs, mode, op, root), dev.sync, comm.barrier,
-                         opts.iters, opts.warmup)
-        wrong = None
-        if opts.check:
-            coll.fill(dev, bufs, mode, mode_seed + 2, rank, nranks, op, root)
-            coll.run(comm, bufs, mode, op, root)
-            dev.sync()
-            wrong = coll.wrong(dev, bufs, mode, mode_seed + 2, rank, nranks, op, root)
-        row[mode] = _bandwidths(_stats(comm, dev, seconds, wrong), size, factor)
-    del bufs
+    labels = [label for label, _ in comms]
+    keys = variant_keys(labels, opts.modes_of(coll))
+    by_label = dict(comms)
+    variants = [_gpucoll_variant(key, by_label[label], dev, coll, bufs, mode, op, root,
+                                 seed * 16 + 2 * index)
+                for index, (key, label, mode) in enumerate(keys)]
     if gloo is not None:
-        row["gloo"] = _measure_gloo(comm, dev, coll, opts, dtype, op, root, count, size, factor,
-                                    seed, gloo)
-        mine = row[coll.gloo_mode]
-        if row["gloo"] is not None and mine is not None and row["gloo"]["busbw"] > 0:
-            row["ratio"] = mine["busbw"] / row["gloo"]["busbw"]
+        host = _Host()
+        host_bufs = bufs if dev.kind == "host" else coll.buffers(host, count, dtype, nranks)
+        theirs = _gloo_variant(gloo, host, coll, host_bufs, op, root, rank, nranks, seed * 16 + 14)
+        if theirs is not None:
+            variants.append(theirs)
+    iters, warmup = opts.iterations(size)
+    seconds, wrong = _play(variants, iters, warmup, opts.rounds, shift, opts.check)
+    del bufs
+    for variant, entry in zip(variants, _combine(control, dev, seconds, wrong, opts.average)):
+        row[variant.key] = _bandwidths(entry, size, factor)
+    if len(comms) > 1:
+        first = labels[0]
+        row["out"], row["in"] = row.get(f"{first}/out"), row.get(f"{first}/in")
+    if gloo is not None:
+        ratios = {}
+        for key, label, mode in keys:
+            if mode == coll.gloo_mode:
+                ratios[label] = _ratio(row["gloo"], row[key])
+        row["ratio"] = ratios.get(labels[0])
+        if len(comms) > 1:
+            row["ratios"] = ratios
     return row
 
 
-def _measure_gloo(comm, dev, coll, opts, dtype, op, root, count, size, factor, seed, gloo):
-    host = _Host()
-    bufs = coll.buffers(host, count, dtype, comm.size)
-    torch = gloo.torch
-    mode = coll.gloo_mode
-    try:
-        send, recv = torch.from_numpy(bufs.send), torch.from_numpy(bufs.recv)
-        torch_op = gloo.op(op)
-    except (TypeError, NotImplementedError):
-        return None  # e.g. a dtype torch cannot wrap, or an op Gloo lacks: N/A on every rank
-    call = lambda: coll.gloo(gloo.dist, send, recv, torch_op, root, comm.rank, comm.size)  # noqa: E731
-    coll.fill(host, bufs, mode, seed * 4 + 3, comm.rank, comm.size, op, root)
-    seconds = _timed(call, lambda: None, gloo.dist.barrier, opts.iters, opts.warmup)
-    wrong = None
-    if opts.check:
-        coll.fill(host, bufs, mode, seed * 4 + 3, comm.rank, comm.size, op, root)
-        call()
-        wrong = coll.wrong(host, bufs, mode, seed * 4 + 3, comm.rank, comm.size, op, root)
-    return _bandwidths(_stats(comm, dev, seconds, wrong), size, factor)
+def _ratio(theirs: Optional[Dict[str, Any]], mine: Optional[Dict[str, Any]]) -> Optional[float]:
+    """Gloo's time / gpucoll's (= gpucoll busbw / Gloo busbw; above 1: gpucoll is faster)."""
+    if theirs is None or mine is None or not mine["time_us"] > 0:
+        return None
+    return theirs["time_us"] / mine["time_us"]
 
 
-def run_rank(comm, opts: BenchOptions, emit: Optional[Callable[[str, Any], None]]) -> None:
+def describe(label: Optional[str], comm) -> str:
+    """``gpucoll 0.1.0, links: unix`` for one measured communicator."""
+    from .. import __version__
+
+    kinds = getattr(comm, "transport_kinds", None)
+    links = "+".join(sorted(set(kinds.values()))) if kinds else comm.backend
+    return f"gpucoll {__version__}, links: {links or 'none (1 rank)'}"
+
+
+def run_rank(comms, opts: BenchOptions, emit: Optional[Callable[[str, Any], None]]) -> None:
     """Run the whole sweep on this rank; rank 0 passes ``emit`` to receive the events.
+
+    Args:
+        comms: a Communicator, or [(transport label, Communicator)] (one per ``--transport``;
+            the first also carries the bench's own messages).
+        opts: what to measure.
+        emit: rank 0's event sink (ignored on other ranks).
 
     Events: ``("begin", info)`` once, ``("start", name)`` before each collective's rows,
     ``("row", row)``, ``("skip", (name, reason))`` and ``("end", name)``.
     """
+    from .gloo import GlooSide
+    from .machine import describe_machine
+
+    if not isinstance(comms, (list, tuple)):
+        comms = [(None, comms)]
+    comm = comms[0][1]
     dev = _device_for(comm)
     say = emit if comm.rank == 0 and emit is not None else (lambda kind, value: None)
     pids = np.array([os.getpid()], np.int64)
@@ -167,10 +271,17 @@ def run_rank(comm, opts: BenchOptions, emit: Optional[Callable[[str, Any], None]
         out = dev.empty((comm.size, 1), np.int64)
         comm.all_gather(buf, out=out)
         pids = dev.get(out).reshape(-1)
-    say("begin", {"nranks": comm.size, "backend": comm.backend, "pids": [int(p) for p in pids]})
-    gloo = _GlooSide(comm, dev, opts.timeout) if opts.compare == "gloo" else None
+    gloo = GlooSide(comm, dev, opts.timeout) if opts.compare == "gloo" else None
+    info = {"nranks": comm.size, "backend": comm.backend, "pids": [int(p) for p in pids],
+            "labels": [label for label, _ in comms],
+            "variants": {label: describe(label, c) for label, c in comms}}
+    if comm.rank == 0:
+        info["machine"] = describe_machine(comm)
+        if gloo is not None:
+            info["compare_version"] = f"torch {gloo.version}"
+    say("begin", info)
     try:
-        seed = opts.seed
+        seed, shift = opts.seed, 0
         for name in opts.collectives:
             coll = COLLECTIVES[name]
             if name == "sendrecv" and comm.size < 2:
@@ -180,150 +291,10 @@ def run_rank(comm, opts: BenchOptions, emit: Optional[Callable[[str, Any], None]
             for dtype, op, root in opts.cases(coll, comm.size):
                 for nbytes in opts.sizes:
                     seed += 1
-                    say("row", _measure(comm, dev, coll, opts, dtype, op, root, nbytes, seed, gloo))
+                    say("row", _measure(comms, dev, coll, opts, dtype, op, root, nbytes, seed,
+                                        gloo, shift))
+                    shift += 1
             say("end", name)
     finally:
         if gloo is not None:
             gloo.close()
-
-
-# ---------------------------------------------------------------- running the ranks
-def _launched_rank(opts: BenchOptions, reporter_factory: Callable[[], Reporter], files) -> int:
-    """Under ``gpucoll run`` / torchrun / mpiexec / srun: this process is one rank."""
-    import gpucoll
-    from ..api import detect_environment
-
-    env = detect_environment()
-    if opts.nranks is not None and opts.nranks != env.world_size:
-        raise UsageError(f"-g {opts.nranks} does not match the launcher's world size "
-                         f"{env.world_size} ({env.source}); leave -g out under a launcher")
-    comm = gpucoll.init(backend=opts.backend, timeout=opts.timeout)
-    try:
-        reporter = reporter_factory() if comm.rank == 0 else None
-        run_rank(comm, opts, reporter)
-        status = finish(reporter, *files) if reporter is not None else 0
-        codes = np.array([status], np.int64)
-        if comm.size > 1:  # every rank exits with the same code
-            dev = _device_for(comm)
-            buf = dev.empty(1, np.int64)
-            dev.put(buf, codes)
-            comm.broadcast(buf, 0)
-            codes = dev.get(buf)
-        comm.close()
-        return int(codes[0])
-    except BaseException:
-        comm.abort()
-        raise
-
-
-def _spawned_rank(rank: int, nranks: int, url: str, env: Dict[str, str], opts: BenchOptions,
-                  events) -> None:
-    """Entry point of a rank started by :func:`run_bench` (multiprocessing, spawn)."""
-    import traceback
-
-    os.environ.update(env)
-    comm = None
-    try:
-        import gpucoll
-
-        from ..backends.registry import get_backend
-
-        if opts.backend not in (None, "auto") and get_backend(opts.backend).memory == "cuda":
-            import cupy
-
-            cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-        comm = gpucoll.init(backend=opts.backend, rank=rank, world_size=nranks, url=url,
-                            timeout=opts.timeout)
-        run_rank(comm, opts, lambda kind, value: events.put((kind, rank, value)))
-        comm.close()
-        events.put(("done", rank, None))
-    except BaseException:
-        events.put(("error", rank, traceback.format_exc()))
-        if comm is not None:
-            comm.abort()
-        raise SystemExit(1)
-
-
-def _spawn_all(opts: BenchOptions, reporter: Reporter) -> None:
-    """Start ``opts.nranks`` rank processes; relay rank 0's events to ``reporter``.
-
-    Raises:
-        RuntimeError: a rank failed or died (with its traceback); every rank is stopped.
-    """
-    import multiprocessing
-    import queue
-    import secrets
-
-    from ..rendezvous import TCPStoreServer
-
-    nranks = opts.nranks or 1
-    token = secrets.token_hex(16)
-    server = TCPStoreServer("127.0.0.1", 0, token=token)
-    env = {"GPUCOLL_AUTH_TOKEN": token, "GPUCOLL_LAUNCHER_STORE": "1"}
-    ctx = multiprocessing.get_context("spawn")
-    events = ctx.Queue()
-    url = f"tcp://127.0.0.1:{server.port}"
-    procs = [ctx.Process(target=_spawned_rank, args=(r, nranks, url, env, opts, events),
-                         name=f"gpucoll-bench-rank{r}", daemon=True) for r in range(nranks)]
-    try:
-        for proc in procs:
-            proc.start()
-        done = set()
-        while len(done) < nranks:
-            try:
-                kind, rank, value = events.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
-                if dead:
-                    time.sleep(0.5)  # let a dying rank's error report arrive first
-                    if events.empty():
-                        raise RuntimeError(f"rank {dead[0]} died (exit code "
-                                           f"{procs[dead[0]].exitcode}) without reporting an error")
-                continue
-            if kind == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value.rstrip()}")
-            if kind == "done":
-                done.add(rank)
-            else:
-                reporter(kind, value)
-        for proc in procs:
-            proc.join(30)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            if proc.pid is not None:
-                proc.join(5)
-        server.close()
-
-
-def run_bench(opts: BenchOptions, json_path: Optional[str] = None, csv_path: Optional[str] = None,
-              plot_path: Optional[str] = None, out=None, err=None) -> int:
-    """Run ``gpucoll bench``: spawn the ranks, or be one rank when a launcher started us.
-
-    Returns:
-        0 when every result was right, 1 when some were wrong or a rank failed.
-
-    Raises:
-        UsageError: bad options, or a missing optional dependency (the CLI exits 2).
-    """
-    import importlib.util
-
-    from ..api import detect_environment
-
-    opts.validate()
-    if opts.compare == "gloo" and importlib.util.find_spec("torch") is None:
-        raise UsageError("--compare gloo needs PyTorch (torch.distributed's Gloo backend): "
-                         "pip install torch")
-    if plot_path:
-        require_matplotlib()
-    files = (json_path, csv_path, plot_path)
-    make = lambda: Reporter(opts, out, err)  # noqa: E731
-    if detect_environment().source != "none":
-        return _launched_rank(opts, make, files)
-    if "sendrecv" in opts.collectives and (opts.nranks or 1) < 2 and len(opts.collectives) == 1:
-        raise UsageError("sendrecv needs at least 2 ranks: pass -g 2 or more")
-    reporter = make()
-    _spawn_all(opts, reporter)
-    return finish(reporter, *files)

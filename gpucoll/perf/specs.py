@@ -2,8 +2,9 @@
 
 Each collective is one small :class:`Collective` subclass declaring its byte count, bus-bandwidth
 factor, buffers, data generator, checker and the matching torch.distributed (Gloo) call.
-Inputs come from :func:`pattern` (seed, rank, element index), so every rank computes its own
-expected result without extra communication.
+Inputs come from :func:`~gpucoll.perf.reference.pattern` (seed, rank, element index), so every
+rank computes its own expected result without extra communication; the inputs and expected
+results are the test suite's too (:mod:`gpucoll.perf.reference`).
 """
 
 from __future__ import annotations
@@ -13,59 +14,10 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..types import ReduceOp, combine_fn, finish_avg
+from .reference import count_wrong, expected_reduction, pattern
 
 # ---------------------------------------------------------------- data and checks
 _BLOCK = 1 << 20  # elements generated or checked at a time (bounds the checker's memory)
-
-
-def pattern(seed: int, rank: int, count: int, dtype, op: Optional[ReduceOp] = None,
-            offset: int = 0) -> np.ndarray:
-    """Input of ``rank``: element ``i`` depends only on (seed, rank, offset + i).
-
-    Values are small integers so that every reduction order gives the same exact answer:
-    -8..8 (0..16 unsigned) for sum/avg/min/max, {-1, 1, 2} ({1, 2, 3} unsigned) for prod,
-    0..16 for the bitwise ops.
-    """
-    dtype = np.dtype(dtype)
-    index = np.arange(offset, offset + count, dtype=np.int64)
-    value = (index * 7 + rank * 13 + seed * 31) % 17
-    unsigned = dtype.kind == "u"
-    if op is ReduceOp.PROD:
-        value = np.array([1, 2, 3] if unsigned else [-1, 1, 2], np.int64)[value % 3]
-    elif op not in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and not unsigned:
-        value = value - 8
-    return value.astype(dtype)
-
-
-def expected_reduction(op: ReduceOp, seed: int, nranks: int, count: int, dtype,
-                       offset: int = 0) -> np.ndarray:
-    """The reduction over ranks 0..nranks-1 of :func:`pattern`, computed in ``dtype``."""
-    acc = pattern(seed, 0, count, dtype, op, offset)
-    combine = combine_fn(op, acc.dtype)
-    for rank in range(1, nranks):
-        combine(acc, pattern(seed, rank, count, dtype, op, offset))
-    if op is ReduceOp.AVG:
-        finish_avg(acc, nranks)
-    return acc
-
-
-def count_wrong(got: np.ndarray, expected: np.ndarray, nranks: int = 1) -> int:
-    """Elements of ``got`` that differ from ``expected``.
-
-    Integers must match exactly; floats within ``nranks`` ulps relative to the value (reduction
-    order and avg's division may round differently on another backend); NaN is always wrong.
-    """
-    got, expected = np.asarray(got).reshape(-1), np.asarray(expected).reshape(-1)
-    if got.shape != expected.shape:
-        return max(got.size, expected.size)
-    if got.dtype.kind != "f":
-        return int(np.count_nonzero(got != expected))
-    exp64, got64 = expected.astype(np.float64), got.astype(np.float64)
-    tolerance = float(np.finfo(got.dtype).eps) * max(nranks, 2) * np.maximum(np.abs(exp64), 1.0)
-    both_inf = np.isinf(exp64) & (got64 == exp64)
-    ok = both_inf | (np.abs(got64 - exp64) <= tolerance)
-    return int(np.count_nonzero(~ok))
 
 
 def _blocks(count: int):
