@@ -32,6 +32,7 @@ from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
 from ..transports.base import Frame, Recv
 from ..rendezvous import hosts
+from ..rendezvous.survivors import agree_on_survivors
 from ..transports import select as select_transport
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
 from ..work import Work
@@ -92,6 +93,7 @@ class CPUCommunicator(Communicator):
         self._seq_lock = threading.Lock()
         self._p2p_seq: Dict[Channel, int] = defaultdict(int)
         self._splits = 0
+        self._shrinks = 0
         self._aborted: Optional[str] = None
         self._closed = False
 
@@ -367,6 +369,22 @@ class CPUCommunicator(Communicator):
             self._root_store, ranks.index(self.rank), len(ranks),
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
             timeout=self.timeout, owns_store=False, **self._settings), ranks)
+
+    def _shrink(self, timeout: float) -> "CPUCommunicator":
+        """Abort this communicator, agree on the survivors, connect a fresh socket mesh."""
+        self._shrinks += 1
+        number = self._shrinks
+        self._abort_with(f"shrink() called on rank {self.rank}")
+        agreed = agree_on_survivors(self._store, self._root_store, self.rank, self.ranks,
+                                    f"shrink{number}", timeout)
+        members = agreed.members
+        child = CPUCommunicator(
+            self._root_store, members.index(self.rank), len(members),
+            comm_id=f"{self.comm_id}/shrink{number}", token=self._token, timeout=self.timeout,
+            owns_store=self._owns_store, **self._settings)
+        self._owns_store = False  # the new communicator closes the store now
+        child.lost = {self.to_world(r): why for r, why in agreed.lost.items()}
+        return self._child(child, members)
 
     def abort(self) -> None:
         """Abort at once: pending and later operations raise ``CommAbortedError``."""
