@@ -45,6 +45,7 @@ from ..errors import CommAbortedError, CommTimeoutError, GpucollError
 from ..rendezvous import hosts
 from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
+from ..rendezvous.survivors import agree_on_survivors
 from ..types import ReduceOp
 from . import nccl_runtime, signature
 from .nccl_arrays import export_like, import_device_array, stream_pointer
@@ -87,6 +88,7 @@ class NCCLCommunicator(Communicator):
         self._seq = 0
         self._p2p_seq = 0
         self._splits = 0
+        self._shrinks = 0
         self._lock = threading.Lock()
         self._publisher: Optional[threading.Thread] = None
         if _local is None:
@@ -521,6 +523,30 @@ class NCCLCommunicator(Communicator):
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
             timeout=self.timeout, debug=self._debug, owns_store=False, device=self.device,
             watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local), ranks)
+
+    def _shrink(self, timeout: float) -> "NCCLCommunicator":
+        """Abort NCCL here, agree on the survivors through the store, and make a new NCCL
+        communicator among them (a new unique id under a fresh store prefix).
+
+        NCCL 2.27 added ``ncclCommShrink``, which makes the smaller communicator from the
+        aborted one without a new bootstrap; CuPy does not bind it, so the survivors go
+        through ``ncclCommInitRank`` again, bounded like every creation.
+        """
+        self._shrinks += 1
+        number = self._shrinks
+        self._fail("abort", f"shrink() called on rank {self.rank}", None)
+        self._watchdog.stop()
+        agreed = agree_on_survivors(self._store, self._root_store, self.rank, self.ranks,
+                                    f"shrink{number}", timeout)
+        members = agreed.members
+        child = NCCLCommunicator(
+            self._root_store, members.index(self.rank), len(members),
+            comm_id=f"{self.comm_id}/shrink{number}", token=self._token, timeout=self.timeout,
+            debug=self._debug, owns_store=self._owns_store, device=self.device,
+            watchdog_interval=self._watchdog_interval)
+        self._owns_store = False  # the new communicator closes the store now
+        child.lost = {self.to_world(r): why for r, why in agreed.lost.items()}
+        return self._child(child, members)
 
     def _drain(self, timeout: float) -> None:
         """Wait (host) until every tracked operation has completed, bounded by ``timeout``."""
