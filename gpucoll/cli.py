@@ -33,7 +33,7 @@ _RUN_USAGE = "gpucoll run [options] (script.py | -m module) [args ...]"
 # Launcher options that take a value; everything from the first other word on is the program.
 _RUN_VALUE_OPTIONS = frozenset({
     "-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-    "--timeout",
+    "--timeout", "--min-ranks",
 })
 
 
@@ -70,6 +70,12 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                      help="port of the store (default: a free port with one node, 29500 with several)")
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="stop every rank and exit 124 when the job runs longer than this")
+    run.add_argument("--elastic", action="store_true",
+                     help="a rank that dies does not stop the others; the job succeeds when the "
+                          "survivors exit 0 (they continue with comm.shrink())")
+    run.add_argument("--min-ranks", dest="min_ranks", type=int, default=1, metavar="N",
+                     help="with --elastic: stop the job when fewer than N ranks of this node "
+                          "remain (default: 1)")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
                      help="run a module, as python -m MODULE does, instead of a script")
     run.add_argument("program", nargs="?", metavar="script.py", help="the Python script to run")
@@ -270,7 +276,8 @@ def _cmd_run(run_parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
     cfg = LaunchConfig(
         program=program, args=tuple(program_args), nproc=namespace.nproc, module=is_module,
         nnodes=namespace.nnodes, node_rank=namespace.node_rank, master_addr=namespace.master_addr,
-        master_port=namespace.master_port, timeout=namespace.timeout)
+        master_port=namespace.master_port, timeout=namespace.timeout,
+        elastic=namespace.elastic, min_ranks=namespace.min_ranks)
     try:
         return run_job(cfg)
     except UsageError as exc:

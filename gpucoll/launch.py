@@ -12,7 +12,10 @@ torchrun variables set::
 Every line a rank writes is copied to the launcher's stdout or stderr with a ``[rank R] ``
 prefix. The first rank that exits non-zero stops the job: every other rank's process group gets
 SIGTERM, then SIGKILL after a grace period, and the launcher ends with that rank's exit code and
-the last lines of its stderr. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
+the last lines of its stderr. With ``elastic`` a rank that fails or is killed does not stop
+the others: the launcher records its death in the store (so ``comm.shrink()`` on the survivors
+need not wait for it), and the job succeeds when the survivors exit 0; it is stopped as above
+when fewer than ``min_ranks`` ranks remain. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
 the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124.
 
 Example::
@@ -88,6 +91,8 @@ class LaunchConfig:
             ``GPUCOLL_AUTH_TOKEN`` is taken from it when set.
         stdout: where prefixed rank stdout lines go (None: ``sys.stdout`` at run time).
         stderr: where prefixed rank stderr lines and launcher messages go (None: ``sys.stderr``).
+        elastic: a rank that dies does not stop the others (see the module doc).
+        min_ranks: with ``elastic``, stop the job when fewer of this node's ranks remain.
     """
 
     program: str
@@ -103,6 +108,8 @@ class LaunchConfig:
     env: Optional[Mapping[str, str]] = None
     stdout: Optional[TextIO] = None
     stderr: Optional[TextIO] = None
+    elastic: bool = False
+    min_ranks: int = 1
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,11 @@ def _plan(cfg: LaunchConfig) -> _Plan:
         command = (sys.executable, cfg.program, *cfg.args)
     if cfg.timeout is not None and not cfg.timeout > 0:
         raise UsageError(f"timeout must be > 0 seconds, got {cfg.timeout!r}")
+    min_ranks = need_int("min_ranks", cfg.min_ranks, 1)
+    if min_ranks != 1 and not cfg.elastic:
+        raise UsageError("--min-ranks applies to elastic jobs only: add --elastic")
+    if min_ranks > nproc:
+        raise UsageError(f"min_ranks={min_ranks} is more than the {nproc} ranks of this node")
     if not cfg.kill_grace >= 0:
         raise UsageError(f"kill_grace must be >= 0 seconds, got {cfg.kill_grace!r}")
 
@@ -262,6 +274,8 @@ class _Job:
         self.lock = threading.Lock()  # one writer at a time, so lines never interleave
         self.ranks: List[_Rank] = []
         self.exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()  # (local rank, returncode)
+        self.lost: List[_Rank] = []  # elastic: ranks that died while the others went on
+        self.port = plan.port
 
     # -- output ---------------------------------------------------------------------------
 
@@ -362,8 +376,33 @@ class _Job:
                 wait = min(wait, remaining)
             rank = self._record_exits(wait)
             if rank is not None and rank.returncode != 0:
+                if self.cfg.elastic and self._lose(rank):
+                    continue
                 return "failed", rank
         return "ok", None
+
+    def _lose(self, rank: _Rank) -> bool:
+        """Elastic: record ``rank``'s death (here and in the store); True when enough remain."""
+        from .rendezvous.best_effort import best_effort
+        from .rendezvous.survivors import publish_death
+        from .rendezvous.tcp_store import TCPStore
+
+        self.lost.append(rank)
+        how = describe_exit(rank.returncode)
+
+        def publish() -> None:
+            with TCPStore(self.plan.master_addr, self.port, token=self.plan.token,
+                          timeout=2.0) as store:
+                publish_death(store, rank.rank, how)
+
+        best_effort(publish, 2.0)  # the store may be gone with the rank's host: never block
+        remaining = len(self.ranks) - len(self.lost)
+        if remaining < self.cfg.min_ranks:
+            self.say(f"rank {rank.rank} lost ({how}); {remaining} rank(s) left, fewer than "
+                     f"--min-ranks {self.cfg.min_ranks}: stopping the job")
+            return False
+        self.say(f"rank {rank.rank} lost ({how}); {remaining} rank(s) go on (--elastic)")
+        return True
 
     def stop_all(self, trap: _SignalTrap) -> None:
         """SIGTERM every rank's process group, SIGKILL after the grace, reap (bounded).
@@ -436,6 +475,7 @@ class _Job:
                     self.say(f"{exc}; pick another --master-port (0: any free port, one node only)")
                     return EXIT_LAUNCH_FAILED
                 port = server.port
+            self.port = port
             stopped = False
             try:
                 start = time.monotonic()
@@ -460,6 +500,10 @@ class _Job:
                     server.close()
 
             if outcome == "ok":
+                if self.lost:
+                    lost = ", ".join(f"{r.rank} ({describe_exit(r.returncode)})" for r in self.lost)
+                    self.say(f"elastic job finished: {len(self.ranks) - len(self.lost)} of "
+                             f"{len(self.ranks)} ranks exited 0; lost rank(s) {lost}")
                 return 0
             if outcome == "failed":
                 assert failed is not None and failed.returncode is not None
