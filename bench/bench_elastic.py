@@ -86,7 +86,7 @@ def time_to_shrink(rounds: int, ranks: int) -> None:
 
 
 def training(ranks: int, epochs: int) -> None:
-    kill_step = 3 * 22 // 2 + 22  # mid-epoch 2 at batch 64 (22 steps per epoch on 4 ranks)
+    kill_step = 2 * 22 + 11  # mid-epoch 3 at batch 64 (22 steps per epoch on 4 ranks)
     print(f"digits, {ranks} ranks, {epochs} epochs, world rank 1 SIGKILLed at step {kill_step}:")
     for batch in (64, 48):
         train = ["-m", "gpucoll.examples.train_digits", "--cpu", "--epochs", str(epochs),

@@ -11,7 +11,6 @@ import time
 import numpy as np
 import pytest
 
-import gpucoll
 from gpucoll.errors import CommAbortedError, CommTimeoutError, PeerError
 from gpucoll.rendezvous import MemoryStore, PrefixStore
 from gpucoll.rendezvous.survivors import agree_on_survivors, publish_death
