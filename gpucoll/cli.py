@@ -53,7 +53,7 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                     "LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and "
                     "GPUCOLL_AUTH_TOKEN set; node 0 serves the rendezvous store. Every output line "
                     "is prefixed with [rank R]. The first rank to fail stops all the others and "
-                    "its exit code becomes gpucoll's.",
+                    "its exit code becomes gpucoll's (with --elastic the others go on).",
         epilog="Everything after the script or module goes to the program untouched. With "
                "several nodes, run the same command on each (changing --node-rank) after "
                "exporting the same GPUCOLL_AUTH_TOKEN on all of them.")
