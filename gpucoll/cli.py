@@ -33,7 +33,7 @@ _RUN_USAGE = "gpucoll run [options] (script.py | -m module | program) [args ...]
 # Launcher options that take a value; everything from the first other word on is the program.
 _RUN_VALUE_OPTIONS = frozenset({
     "-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-    "--timeout",
+    "--timeout", "--min-ranks",
 })
 
 
@@ -54,7 +54,7 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                     "LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and "
                     "GPUCOLL_AUTH_TOKEN set; node 0 serves the rendezvous store. Every output line "
                     "is prefixed with [rank R]. The first rank to fail stops all the others and "
-                    "its exit code becomes gpucoll's.",
+                    "its exit code becomes gpucoll's (with --elastic the others go on).",
         epilog="Everything after the script or module goes to the program untouched. With "
                "several nodes, run the same command on each (changing --node-rank) after "
                "exporting the same GPUCOLL_AUTH_TOKEN on all of them.")
@@ -71,6 +71,12 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                      help="port of the store (default: a free port with one node, 29500 with several)")
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="stop every rank and exit 124 when the job runs longer than this")
+    run.add_argument("--elastic", action="store_true",
+                     help="a rank that dies does not stop the others; the job succeeds when the "
+                          "survivors exit 0 (they continue with comm.shrink())")
+    run.add_argument("--min-ranks", dest="min_ranks", type=int, default=1, metavar="N",
+                     help="with --elastic: stop the job when fewer than N ranks of this node "
+                          "remain (default: 1)")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
                      help="run a module, as python -m MODULE does, instead of a script")
     run.add_argument("--no-python", dest="no_python", action="store_true",
@@ -276,7 +282,8 @@ def _cmd_run(run_parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
         program=program, args=tuple(program_args), nproc=namespace.nproc, module=is_module,
         no_python=namespace.no_python,
         nnodes=namespace.nnodes, node_rank=namespace.node_rank, master_addr=namespace.master_addr,
-        master_port=namespace.master_port, timeout=namespace.timeout)
+        master_port=namespace.master_port, timeout=namespace.timeout,
+        elastic=namespace.elastic, min_ranks=namespace.min_ranks)
     try:
         return run_job(cfg)
     except UsageError as exc:

@@ -8,9 +8,10 @@ backend's ``_<op>`` method with normalized arguments.
 from __future__ import annotations
 
 import abc
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from types import MappingProxyType
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .errors import UnsupportedOperationError
+from .errors import CommAbortedError, UnsupportedOperationError
 from .composite import CompositeCollectives
 from .types import ReduceOp, check_op_dtype, wire_code
 from .work import Work
@@ -44,6 +45,8 @@ class Communicator(CompositeCollectives, abc.ABC):
             CuPy arrays) or "cuda" (GPU arrays). Code that allocates buffers for a
             communicator asks this, never the backend's name.
         timeout: seconds a blocking call may wait.
+        lost: on a communicator made by ``shrink()``, world rank -> why it was left out
+            (e.g. "signal SIGKILL"); empty otherwise.
     """
 
     rank: int
@@ -53,6 +56,7 @@ class Communicator(CompositeCollectives, abc.ABC):
     backend: str
     memory: str = "host"
     timeout: float
+    lost: Mapping[int, str] = MappingProxyType({})
 
     # ------------------------------------------------------------------ checks
     def _array(self, x: Array, name: str) -> Array:
@@ -443,6 +447,49 @@ class Communicator(CompositeCollectives, abc.ABC):
             return self._split(0, ranks.index(self.rank))
         return self._split(None, 0)
 
+    def shrink(self, timeout: Optional[float] = None) -> "Communicator":
+        """A new communicator of the ranks still alive, after a failure (ULFM's
+        ``MPIX_Comm_shrink``).
+
+        Every surviving rank calls it, typically after catching ``PeerError``,
+        ``CommTimeoutError`` or ``CommAbortedError``. The survivors agree through the store
+        on who is left: a rank that calls ``shrink()`` within ``timeout`` seconds of the first
+        one is kept; a rank that its launcher reported dead (``gpucoll run --elastic``) is
+        not waited for, any other absent rank for at most ``timeout``. The new communicator
+        numbers the survivors in their old order, keeps their world ranks (``ranks``,
+        ``to_world``) and gets fresh connections; split and new_group rebuild subgroups
+        from it. This communicator is aborted (on a healthy one, shrink() aborts it first, so
+        every peer's pending operation fails and they shrink too); close() it afterwards. The
+        new communicator takes over the store.
+
+        Args:
+            timeout: seconds to wait for ranks that neither called shrink nor are known dead
+                (default: the communicator's timeout).
+
+        Returns:
+            The new communicator.
+
+        Raises:
+            CommAbortedError: this communicator was closed, or the survivors decided without
+                this rank (it called too late).
+            CommTimeoutError: a survivor died during the shrink; call ``shrink()`` again.
+
+        Example (four ranks, rank 3 killed)::
+
+            try:
+                comm.all_reduce(x)
+            except (gc.PeerError, gc.CommTimeoutError, gc.CommAbortedError):
+                comm = comm.shrink()           # ranks 0, 1, 2: comm.size == 3
+                comm.all_reduce(x)
+        """
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if self.closed:
+            raise CommAbortedError(f"rank {self.rank}: shrink() on a closed communicator; "
+                                   f"call shrink() before close()")
+        return self._shrink(self.timeout if timeout is None else float(timeout))
+
     @abc.abstractmethod
     def abort(self) -> None:
         """Abort: fail every pending and future operation at once, close connections."""
@@ -518,3 +565,6 @@ class Communicator(CompositeCollectives, abc.ABC):
 
     def _split(self, color: Optional[int], key: int) -> Optional["Communicator"]:
         return self._unsupported("split")
+
+    def _shrink(self, timeout: float) -> "Communicator":
+        return self._unsupported("shrink")

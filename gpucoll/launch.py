@@ -22,7 +22,10 @@ after a grace period, and the launcher ends with the root cause's exit code and 
 of its stderr. The root cause is the first failure that is not a consequence of another rank's
 (a rank whose last error is gpucoll's ``PeerError`` or ``CommAbortedError`` failed because a
 peer did): after such a failure the launcher waits up to ``ROOT_CAUSE_WAIT`` seconds for the
-rank that started it. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
+rank that started it. With ``elastic`` a rank that fails or is killed does not stop the others:
+the launcher records its death in the store (so ``comm.shrink()`` on the survivors need not
+wait for it), and the job succeeds when the survivors exit 0; it is stopped as above when
+fewer than ``min_ranks`` ranks remain. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
 the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124.
 
 Example::
@@ -50,6 +53,10 @@ from . import config
 from .cliutil import UsageError
 from .errors import StoreError
 from .launch_program import THREAD_VARIABLES, limits_threads, program_command, thread_notice
+from .launch_signals import SignalTrap as _SignalTrap
+from .launch_signals import describe_exit, exit_code_of  # noqa: F401  (re-exported)
+from .launch_signals import signal_group as _signal_group
+from .launch_signals import signal_name as _signal_name
 
 __all__ = [
     "LaunchConfig",
@@ -84,7 +91,6 @@ _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 _REAP_TIMEOUT = 5.0  # seconds to wait for SIGKILLed ranks to be reaped
 _READER_JOIN_TIMEOUT = 2.0  # seconds to wait for a rank's pipes to drain once it is gone
 _POLL_INTERVAL = 0.1  # longest time a signal or the timeout waits to be noticed
-_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
 @dataclass
@@ -110,6 +116,8 @@ class LaunchConfig:
             ``GPUCOLL_AUTH_TOKEN`` is taken from it when set.
         stdout: where prefixed rank stdout lines go (None: ``sys.stdout`` at run time).
         stderr: where prefixed rank stderr lines and launcher messages go (None: ``sys.stderr``).
+        elastic: a rank that dies does not stop the others (see the module doc).
+        min_ranks: with ``elastic``, stop the job when fewer of this node's ranks remain.
     """
 
     program: str
@@ -126,6 +134,8 @@ class LaunchConfig:
     env: Optional[Mapping[str, str]] = None
     stdout: Optional[TextIO] = None
     stderr: Optional[TextIO] = None
+    elastic: bool = False
+    min_ranks: int = 1
 
 
 @dataclass(frozen=True)
@@ -168,6 +178,11 @@ def _plan(cfg: LaunchConfig) -> _Plan:
                               no_python=cfg.no_python)
     if cfg.timeout is not None and not cfg.timeout > 0:
         raise UsageError(f"timeout must be > 0 seconds, got {cfg.timeout!r}")
+    min_ranks = need_int("min_ranks", cfg.min_ranks, 1)
+    if min_ranks != 1 and not cfg.elastic:
+        raise UsageError("--min-ranks applies to elastic jobs only: add --elastic")
+    if min_ranks > nproc:
+        raise UsageError(f"min_ranks={min_ranks} is more than the {nproc} ranks of this node")
     if not cfg.kill_grace >= 0:
         raise UsageError(f"kill_grace must be >= 0 seconds, got {cfg.kill_grace!r}")
 
@@ -199,62 +214,8 @@ def _plan(cfg: LaunchConfig) -> _Plan:
     return _Plan(nnodes * nproc, bind_host, port, master_addr, token, command, base_env)
 
 
-def exit_code_of(returncode: int) -> int:
-    """Shell-style exit code of a child: itself, or 128 + N when signal N killed it."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def describe_exit(returncode: int) -> str:
-    """``"exit code 3"`` or ``"signal SIGKILL"`` for a ``Popen.returncode``."""
-    if returncode >= 0:
-        return f"exit code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = str(-returncode)
-    return f"signal {name}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _signal_group(pid: int, signum: int) -> None:
-    """Send ``signum`` to the process group led by ``pid``; a vanished group is fine."""
-    try:
-        os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _ranks_text(ranks: Sequence[int]) -> str:
     return ", ".join(str(rank) for rank in ranks)
-
-
-class _SignalTrap:
-    """Records SIGINT/SIGTERM/SIGHUP while the job runs (main thread only; elsewhere inert)."""
-
-    def __init__(self) -> None:
-        self.received: List[int] = []
-        self._previous: Dict[int, object] = {}
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.received.append(signum)
-
-    def __enter__(self) -> "_SignalTrap":
-        if threading.current_thread() is threading.main_thread():
-            for name in _STOP_SIGNALS:
-                signum = getattr(signal, name, None)
-                if signum is not None:
-                    self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
 
 
 class _Rank:
@@ -281,6 +242,8 @@ class _Job:
         self.lock = threading.Lock()  # one writer at a time, so lines never interleave
         self.ranks: List[_Rank] = []
         self.exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()  # (local rank, returncode)
+        self.lost: List[_Rank] = []  # elastic: ranks that died while the others went on
+        self.port = plan.port
 
     # -- output ---------------------------------------------------------------------------
 
@@ -416,6 +379,8 @@ class _Job:
                 wait = min(wait, remaining)
             rank = self._record_exits(wait)
             if rank is not None and rank.returncode != 0:
+                if self.cfg.elastic and self._lose(rank):
+                    continue
                 return "failed", self._root_cause(rank, trap)
         return "ok", None
 
@@ -447,6 +412,21 @@ class _Job:
             if rank is not None and rank.returncode != 0 and not self._is_consequence(rank):
                 return rank
         return first
+
+    def _lose(self, rank: _Rank) -> bool:
+        """Elastic: record ``rank``'s death (here and in the store); True when enough remain."""
+        from .launch_elastic import publish_death_briefly
+
+        self.lost.append(rank)
+        how = describe_exit(rank.returncode)
+        publish_death_briefly(self.plan.master_addr, self.port, self.plan.token, rank.rank, how)
+        remaining = len(self.ranks) - len(self.lost)
+        if remaining < self.cfg.min_ranks:
+            self.say(f"rank {rank.rank} lost ({how}); {remaining} rank(s) left, fewer than "
+                     f"--min-ranks {self.cfg.min_ranks}: stopping the job")
+            return False
+        self.say(f"rank {rank.rank} lost ({how}); {remaining} rank(s) go on (--elastic)")
+        return True
 
     def stop_all(self, trap: _SignalTrap) -> None:
         """SIGTERM every rank's process group, SIGKILL after the grace, reap (bounded).
@@ -522,6 +502,7 @@ class _Job:
                 port = server.port
             if self.limit_threads and self.cfg.node_rank == 0:
                 self.say(thread_notice(self.cfg.nproc))
+            self.port = port
             stopped = False
             try:
                 start = time.monotonic()
@@ -546,6 +527,10 @@ class _Job:
                     server.close()
 
             if outcome == "ok":
+                if self.lost:
+                    lost = ", ".join(f"{r.rank} ({describe_exit(r.returncode)})" for r in self.lost)
+                    self.say(f"elastic job finished: {len(self.ranks) - len(self.lost)} of "
+                             f"{len(self.ranks)} ranks exited 0; lost rank(s) {lost}")
                 return 0
             if outcome == "failed":
                 assert failed is not None and failed.returncode is not None

@@ -3,7 +3,8 @@
 One GPU: every collective on a 1-rank communicator for every dtype and op, usage errors before
 anything is enqueued, the watchdog on a deliberately stalled stream, DLPack and torch tensors,
 asynchronous Work and streams. Two ranks on one GPU when NCCL >= 2.30 allows it
-(NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS capped), in real processes under a hard timeout.
+(NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS capped), in real processes under a hard timeout;
+three such ranks, one SIGKILLed, for ``shrink()``.
 """
 
 import time
@@ -379,3 +380,48 @@ def test_two_ranks_watchdog_names_the_missing_rank():
     assert "all_reduce #2 did not complete" in results[0], results[0]
     assert "ranks that had not reached it: 1 (of 2)" in results[0], results[0]
 
+
+
+def _rank_shrinks(rank, size, url):
+    import os
+    import signal
+
+    import cupy
+
+    from gpucoll.errors import PeerError
+
+    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=3.0)
+    x = cupy.ones(1024, dtype=cupy.float32)
+    comm.all_reduce(x)  # #1: every rank
+    cupy.cuda.get_current_stream().synchronize()
+    if rank == size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # the last rank dies; #2 never completes
+    try:
+        comm.all_reduce(x)
+        comm.synchronize()
+        time.sleep(5)  # the watchdog gives up on #2 within the 3 s timeout
+        comm.all_reduce(x)
+        return "no error"
+    except (CommTimeoutError, CommAbortedError, PeerError):
+        pass
+    new = comm.shrink()
+    comm.close()
+    try:
+        y = cupy.asarray(make_input(5, new.rank, (1000,), "float32"))
+        new.all_reduce(y)
+        cupy.cuda.get_current_stream().synchronize()
+        return new.rank, new.size, new.ranks, dict(new.lost), cupy.asnumpy(y)
+    finally:
+        new.close(timeout=30)
+
+
+@two_ranks
+def test_three_ranks_one_killed_survivors_shrink_to_a_new_nccl_communicator():
+    results = run_ranks(_rank_shrinks, 3, init=False, env=MULTI_RANK_ENV, ranks=[0, 1],
+                        timeout=180)
+    expected = reduce_reference(np.stack([make_input(5, r, (1000,), "float32")
+                                          for r in range(2)]), "sum")
+    for r in range(2):
+        rank, size, ranks, lost, got = results[r]
+        assert (rank, size, ranks, lost) == (r, 2, [0, 1], {2: "did not call shrink within 3 s"})
+        np.testing.assert_allclose(got, expected, rtol=1e-6)

@@ -29,9 +29,11 @@ from ..communicator import Communicator
 from ..hostarrays import host_view, like_caller
 from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutError, GpucollError,
                       PeerError)
+from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
 from ..transports.base import Frame, Recv
 from ..rendezvous import hosts
+from ..rendezvous.survivors import agree_on_survivors
 from ..transports import select as select_transport
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
 from ..work import Work
@@ -93,6 +95,7 @@ class CPUCommunicator(Communicator):
         self._seq_lock = threading.Lock()
         self._p2p_seq: Dict[Channel, int] = defaultdict(int)
         self._splits = 0
+        self._shrinks = 0
         self._aborted: Optional[str] = None
         self._closed = False
 
@@ -171,22 +174,22 @@ class CPUCommunicator(Communicator):
         peer = getattr(exc, "peer", None)
         if not isinstance(exc, PeerError) or peer is None:
             return exc
-        try:
-            if self._store.check([f"abort/{peer}"]):
-                reason = self._store.get(f"abort/{peer}", 1.0).decode(errors="replace")
-                exc.args = (f"{exc.args[0]} (peer {peer} reported: {reason})",)
-        except Exception:  # the store may be gone with the peer
-            pass
+        key = f"abort/{peer}"
+        # the store may be gone with the peer: ask for a moment only, never a full timeout
+        read, reason = best_effort(
+            lambda: self._store.get(key, 0.0) if self._store.check([key]) else None, READ_BUDGET)
+        if read and reason is not None:
+            exc.args = (f"{exc.args[0]} (peer {peer} reported: "
+                        f"{reason.decode(errors='replace')})",)
         return exc
 
     def _abort_with(self, reason: str) -> None:
         if self._aborted is not None:
             return
         self._aborted = reason
-        try:
-            self._store.set(f"abort/{self.rank}", reason.encode())
-        except Exception:
-            pass
+        # why, for the peers' errors: published before the links close (peers read it when
+        # they see the closed link); best effort, since the store may be unreachable now
+        best_effort(lambda: self._store.set(f"abort/{self.rank}", reason.encode()), ABORT_BUDGET)
         self._transport.close()
         self._order.wake()
 
@@ -374,6 +377,22 @@ class CPUCommunicator(Communicator):
             self._root_store, ranks.index(self.rank), len(ranks),
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
             timeout=self.timeout, owns_store=False, **self._settings), ranks)
+
+    def _shrink(self, timeout: float) -> "CPUCommunicator":
+        """Abort this communicator, agree on the survivors, connect a fresh socket mesh."""
+        self._shrinks += 1
+        number = self._shrinks
+        self._abort_with(f"shrink() called on rank {self.rank}")
+        agreed = agree_on_survivors(self._store, self._root_store, self.rank, self.ranks,
+                                    f"shrink{number}", timeout)
+        members = agreed.members
+        child = CPUCommunicator(
+            self._root_store, members.index(self.rank), len(members),
+            comm_id=f"{self.comm_id}/shrink{number}", token=self._token, timeout=self.timeout,
+            owns_store=self._owns_store, **self._settings)
+        self._owns_store = False  # the new communicator closes the store now
+        child.lost = {self.to_world(r): why for r, why in agreed.lost.items()}
+        return self._child(child, members)
 
     def abort(self) -> None:
         """Abort at once: pending and later operations raise ``CommAbortedError``."""

@@ -43,7 +43,9 @@ from .. import cuda_env
 from ..communicator import Communicator
 from ..errors import CommAbortedError, CommTimeoutError, GpucollError
 from ..rendezvous import hosts
+from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
+from ..rendezvous.survivors import agree_on_survivors
 from ..types import ReduceOp
 from . import nccl_runtime, signature
 from .nccl_arrays import export_like, import_device_array, stream_pointer
@@ -86,7 +88,9 @@ class NCCLCommunicator(Communicator):
         self._seq = 0
         self._p2p_seq = 0
         self._splits = 0
+        self._shrinks = 0
         self._lock = threading.Lock()
+        self._publisher: Optional[threading.Thread] = None
         if _local is None:
             _local = self._local_rank()
         self.local_rank, self.local_size = _local
@@ -187,13 +191,11 @@ class NCCLCommunicator(Communicator):
                 message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
             self._failure = (error_type, message)
         try:
-            self._store.set(f"abort/{self.rank}", message.encode())
-        except Exception:
-            pass
-        try:
             self.nccl_comm.abort()
         except Exception:
             pass
+        # the store may be unreachable now (its host lost): a short budget, never a timeout
+        best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
 
     def _on_watchdog(self, kind: str, message: str, pending: Optional[Pending]) -> None:
         if kind == "timeout" and pending is not None:
@@ -240,11 +242,21 @@ class NCCLCommunicator(Communicator):
         return text + "; every rank had issued it, so NCCL itself stalled (NCCL_DEBUG=INFO)"
 
     def _ranks_behind(self, seq: int) -> Optional[List[int]]:
-        time.sleep(min(2 * self._watchdog_interval, 1.0))  # let peers publish their progress
-        return nccl_runtime.ranks_behind(self._store, self.size, self.rank, seq)
+        time.sleep(min(2 * self._watchdog_interval, 0.5))  # let peers publish their progress
+        read, late = best_effort(
+            lambda: nccl_runtime.ranks_behind(self._store, self.size, self.rank, seq), READ_BUDGET)
+        return late if read else None
 
     def _publish_progress(self, issued: int) -> None:
-        nccl_runtime.publish_progress(self._store, self.rank, issued)
+        """Publish progress on a helper thread: the watchdog never blocks on the store (an
+        unreachable store would hold back the timeout it enforces); one publish at a time."""
+        if self._publisher is not None and self._publisher.is_alive():
+            raise RuntimeError("the previous progress update has not reached the store yet")
+        self._publisher = threading.Thread(
+            target=best_effort, name="gpucoll-progress", daemon=True,
+            args=(lambda: nccl_runtime.publish_progress(self._store, self.rank, issued),
+                  self.timeout))
+        self._publisher.start()
 
     def _check_async_error(self) -> None:
         if self._failure is None and not self._closed:
@@ -511,6 +523,30 @@ class NCCLCommunicator(Communicator):
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
             timeout=self.timeout, debug=self._debug, owns_store=False, device=self.device,
             watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local), ranks)
+
+    def _shrink(self, timeout: float) -> "NCCLCommunicator":
+        """Abort NCCL here, agree on the survivors through the store, and make a new NCCL
+        communicator among them (a new unique id under a fresh store prefix).
+
+        NCCL 2.27 added ``ncclCommShrink``, which makes the smaller communicator from the
+        aborted one without a new bootstrap; CuPy does not bind it, so the survivors go
+        through ``ncclCommInitRank`` again, bounded like every creation.
+        """
+        self._shrinks += 1
+        number = self._shrinks
+        self._fail("abort", f"shrink() called on rank {self.rank}", None)
+        self._watchdog.stop()
+        agreed = agree_on_survivors(self._store, self._root_store, self.rank, self.ranks,
+                                    f"shrink{number}", timeout)
+        members = agreed.members
+        child = NCCLCommunicator(
+            self._root_store, members.index(self.rank), len(members),
+            comm_id=f"{self.comm_id}/shrink{number}", token=self._token, timeout=self.timeout,
+            debug=self._debug, owns_store=self._owns_store, device=self.device,
+            watchdog_interval=self._watchdog_interval)
+        self._owns_store = False  # the new communicator closes the store now
+        child.lost = {self.to_world(r): why for r, why in agreed.lost.items()}
+        return self._child(child, members)
 
     def _drain(self, timeout: float) -> None:
         """Wait (host) until every tracked operation has completed, bounded by ``timeout``."""

@@ -60,8 +60,16 @@ class DistributedSampler:
         """Use the permutation of ``epoch`` (call with the same value on every rank)."""
         self.epoch = int(epoch)
 
-    def indices(self) -> np.ndarray:
-        """This rank's indices for the current epoch (int64 array of ``len(self)``)."""
+    def indices(self, start: int = 0) -> np.ndarray:
+        """This rank's indices for the current epoch (int64 array of ``len(self)``).
+
+        Args:
+            start: skip the first ``start`` positions of the epoch's order: resume an epoch
+                part-way, e.g. on fewer ranks after ``comm.shrink()`` (position ``start`` is
+                where the previous ranks' steps had got to; the rest is re-sharded).
+        """
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+            raise ValueError(f"start must be an int >= 0, got {start!r}")
         if self.shuffle:
             order = np.random.default_rng((self.seed, self.epoch)).permutation(self.dataset_size)
         else:
@@ -69,7 +77,7 @@ class DistributedSampler:
         if self.total_size > len(order) and len(order) > 0:
             repeats = math.ceil(self.total_size / len(order))
             order = np.tile(order, repeats)
-        order = order[:self.total_size]
+        order = order[:self.total_size][int(start):]
         return order[self.rank::self.world_size].astype(np.int64)
 
     def __iter__(self) -> Iterator[int]:

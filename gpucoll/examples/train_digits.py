@@ -5,6 +5,7 @@ Run with::
     gpucoll run -n 2 -m gpucoll.examples.train_digits [--epochs 10] [--compression bf16]
     gpucoll run -n 3 -m gpucoll.examples.train_digits --zero [--optimizer adam] [--loss-scaling]
     python -m gpucoll.examples.train_digits          # one process
+    gpucoll run -n 4 --elastic -m gpucoll.examples.train_digits --elastic   # survives a lost rank
 
 Forward and backward are written with the array module: CuPy when it is installed and a GPU
 is present (``--cpu`` forces NumPy), NumPy otherwise. Each rank takes a disjoint shard of every
@@ -12,15 +13,27 @@ global batch (``DistributedSampler``); gradients are averaged by the ``Bucketer`
 each bucket's all-reduce from inside backward as soon as its gradients exist. Rank 0 prints the
 global loss and the train / test accuracy per epoch. ``--zero`` replaces the Bucketer and
 the local optimizer with the ``ShardedOptimizer`` (ZeRO-1: reduce-scatter, update this rank's
-shard, all-gather), and prints the optimizer state each rank holds. ``--loss-scaling`` scales the
-loss with a ``DynamicLossScaler`` and skips steps whose gradients overflowed. The dataset ships with scikit-learn (no
-download): ``pip install 'gpucoll[examples]'``.
+shard, all-gather), and prints the optimizer state each rank holds. ``--loss-scaling`` scales
+the loss with a ``DynamicLossScaler`` and skips steps whose gradients overflowed. The dataset
+ships with scikit-learn (no download): ``pip install 'gpucoll[examples]'``.
+
+With ``--elastic``, a rank that dies mid-epoch does not end the run: the survivors catch the
+error, ``comm.shrink()`` to the ranks still alive, take the newest replicated state (data
+parallelism keeps every rank's weights identical; the survivor with the most steps done
+broadcasts its weights, momentum and position), re-shard the rest of the epoch over the
+remaining ranks and redo the interrupted step; rank 0 prints "continued on N ranks from step
+S". ``--kill-rank R --kill-step S`` makes world rank R SIGKILL itself at global step S (to try
+it, and for the tests). ``--elastic`` takes the replicated SGD path: with ``--zero`` each rank
+holds only its shard of the optimizer state, which a lost rank takes with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -28,6 +41,9 @@ import numpy as np
 import gpucoll
 from gpucoll.ddp import (Bucketer, DistributedSampler, DynamicLossScaler, ShardedOptimizer,
                          all_reduce_metrics, broadcast_parameters, make_optimizer)
+from gpucoll.errors import CommAbortedError, CommTimeoutError, PeerError
+
+FAILURES = (PeerError, CommTimeoutError, CommAbortedError)
 
 
 def init_params(sizes, seed: int = 0, xp: Any = np, dtype: Any = np.float32) -> List[Any]:
@@ -134,6 +150,72 @@ def _init(force_cpu: bool):
         return gpucoll.init(backend="cpu", rank=0, world_size=1, url=f"file://{store}/store")
 
 
+@dataclass
+class Progress:
+    """Where training is: the same on every rank (replicated with the weights)."""
+
+    epoch: int = 0
+    offset: int = 0  # positions of this epoch's sample order already trained on
+    step: int = 0    # optimizer steps taken since the start
+
+
+def _optimizer_settings(args) -> dict:
+    return {"lr": args.lr} if args.optimizer == "sgd" else {"lr": args.lr / 50}
+
+
+class _Shard:
+    """What depends on the communicator: the local batch, the sampler, and the Bucketer (or,
+    with ``--zero``, the ShardedOptimizer)."""
+
+    def __init__(self, comm, params, args, dataset_size: int):
+        self.comm = comm
+        self.local_batch = args.batch_size // comm.size
+        self.sampler = DistributedSampler(dataset_size, comm, seed=args.seed, drop_last=True)
+        self.zero = self.bucketer = None
+        if args.zero:
+            self.zero = ShardedOptimizer(comm, params, args.optimizer,
+                                         first_bucket_cap_bytes=64 << 10,
+                                         **_optimizer_settings(args))
+            self.hook, self.buckets = self.zero.mark_ready, len(self.zero.buckets)
+        else:
+            self.bucketer = Bucketer(comm, params, first_bucket_cap_bytes=64 << 10,
+                                     compression=None if args.compression == "none" else
+                                     args.compression)
+            self.hook, self.buckets = self.bucketer.mark_ready, len(self.bucketer.buckets)
+
+    def step(self, params, optimizer, scaler) -> None:
+        """Average the gradients and update the weights (skipped when the scaler says so)."""
+        if self.zero is not None:
+            self.zero.step(scaler=scaler)
+            return
+        grads = self.bucketer.finish(loss_scale=scaler.scale if scaler else None)
+        if scaler is None or scaler.update(self.bucketer.found_nonfinite()):
+            for index, (param, grad) in enumerate(zip(params, grads)):
+                optimizer.update(index, param, grad)
+
+
+def _recover(shard: _Shard, params, velocity, progress: Progress, args, dataset_size: int):
+    """Shrink to the survivors and continue from the newest replicated state."""
+    old = shard.comm
+    comm = old.shrink()
+    old.close()
+    # a survivor may have finished the step the others were still in: the one with the most
+    # steps done has the newest state (all of them are consistent: the step's all-reduce
+    # completed there with every rank's gradient)
+    steps = comm.all_gather(np.array([progress.step], dtype=np.int64))
+    source = int(np.argmax(steps[:, 0]))
+    broadcast_parameters(comm, list(params) + list(velocity), root=source)
+    where = np.array([progress.epoch, progress.offset, progress.step], dtype=np.int64)
+    comm.broadcast(where, root=source)
+    progress.epoch, progress.offset, progress.step = (int(v) for v in where)
+    if comm.rank == 0:
+        lost = ", ".join(f"{rank} ({why})" for rank, why in sorted(comm.lost.items()))
+        print(f"# lost rank(s) {lost}: continued on {comm.size} ranks from step "
+              f"{progress.step} (epoch {progress.epoch + 1}, sample {progress.offset})",
+              flush=True)
+    return _Shard(comm, params, args, dataset_size)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
@@ -148,75 +230,92 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--loss-scaling", action="store_true",
                         help="dynamic loss scaling (skip steps that overflow)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="survive lost ranks: shrink, re-shard, redo the interrupted step")
+    parser.add_argument("--kill-rank", type=int, default=None, metavar="R",
+                        help="fault injection: world rank R SIGKILLs itself at --kill-step")
+    parser.add_argument("--kill-step", type=int, default=None, metavar="S",
+                        help="the global step (from 0) at which --kill-rank dies")
     args = parser.parse_args(argv)
+    if (args.kill_rank is None) != (args.kill_step is None):
+        parser.error("--kill-rank and --kill-step go together")
     if args.zero and args.compression != "none":
         parser.error("--compression applies to the Bucketer, not to --zero")
-    settings = {"lr": args.lr} if args.optimizer == "sgd" else {"lr": args.lr / 50}
+    if args.elastic and (args.zero or args.optimizer != "sgd" or args.loss_scaling):
+        parser.error("--elastic continues from replicated state: it takes the SGD path, without "
+                     "--zero (sharded state), --optimizer adam or --loss-scaling")
 
     xp = _array_module(args.cpu)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
-    with _init(xp is np) as comm:
+    comm = _init(xp is np)
+    shard = None
+    try:
         if args.batch_size % comm.size:
             raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the "
                              f"{comm.size} ranks")
-        local_batch = args.batch_size // comm.size
         params = init_params([64, args.hidden, args.hidden, 10], seed=args.seed + comm.rank, xp=xp)
         broadcast_parameters(comm, params, root=0)   # every rank starts from rank 0's weights
+        optimizer = make_optimizer(args.optimizer, **_optimizer_settings(args))
+        if args.optimizer == "sgd":  # the momentum, made now so that --elastic can replicate it
+            optimizer.state = [{"velocity": xp.zeros_like(p)} for p in params]
+        velocity = [slot["velocity"] for slot in optimizer.state]
         scaler = DynamicLossScaler(init_scale=2.0 ** 12, growth_interval=100) \
             if args.loss_scaling else None
-        if args.zero:
-            zero = ShardedOptimizer(comm, params, args.optimizer, first_bucket_cap_bytes=64 << 10,
-                                    **settings)
-            hook, n_buckets = zero.mark_ready, len(zero.buckets)
-        else:
-            optimizer = make_optimizer(args.optimizer, **settings)
-            bucketer = Bucketer(comm, params, first_bucket_cap_bytes=64 << 10,
-                                compression=None if args.compression == "none" else
-                                args.compression)
-            hook, n_buckets = bucketer.mark_ready, len(bucketer.buckets)
-        sampler = DistributedSampler(len(x_train), comm, seed=args.seed, drop_last=True)
+        shard = _Shard(comm, params, args, len(x_train))
         x_train_dev, y_train_dev = xp.asarray(x_train), xp.asarray(y_train)
         x_test_dev, y_test_dev = xp.asarray(x_test), xp.asarray(y_test)
         if comm.rank == 0:
             print(f"# digits: {len(x_train)} train / {len(x_test)} test, {comm.size} rank(s), "
                   f"backend {comm.backend}, arrays {xp.__name__}, global batch {args.batch_size}, "
-                  f"{n_buckets} bucket(s), compression {args.compression}, optimizer "
-                  f"{args.optimizer}{' sharded (ZeRO-1)' if args.zero else ''}")
-        for epoch in range(args.epochs):
-            sampler.set_epoch(epoch)
-            mine = sampler.indices()
-            steps = len(mine) // local_batch
-            start = time.perf_counter()
-            loss_sum, correct, seen = 0.0, 0, 0
-            for step in range(steps):
-                batch = xp.asarray(mine[step * local_batch:(step + 1) * local_batch])
-                scale = scaler.scale if scaler else 1.0
-                loss, hits, grads = loss_and_grads(params, x_train_dev[batch], y_train_dev[batch],
-                                                   xp, on_grad=hook, scale=scale)
-                if args.zero:
-                    zero.step(scaler=scaler)
-                else:
-                    grads = bucketer.finish(loss_scale=scaler.scale if scaler else None)
-                    if scaler is None or scaler.update(bucketer.found_nonfinite()):
-                        for index, (param, grad) in enumerate(zip(params, grads)):
-                            optimizer.update(index, param, grad)
-                loss_sum += loss * local_batch
-                correct += hits
-                seen += local_batch
-            _, test_correct, _ = loss_and_grads(params, x_test_dev, y_test_dev, xp)
-            totals = all_reduce_metrics(comm, {"loss": loss_sum, "correct": correct,
-                                               "seen": seen})
+                  f"{shard.buckets} bucket(s), compression {args.compression}, optimizer "
+                  f"{args.optimizer}{' sharded (ZeRO-1)' if args.zero else ''}"
+                  + (", elastic" if args.elastic else ""))
+        world_rank = comm.to_world(comm.rank)
+        progress = Progress()
+        sums = {"loss": 0.0, "correct": 0, "seen": 0}
+        start = time.perf_counter()
+        while progress.epoch < args.epochs:
+            try:
+                comm = shard.comm
+                shard.sampler.set_epoch(progress.epoch)
+                mine = shard.sampler.indices(start=progress.offset)
+                local_batch = shard.local_batch
+                for step in range(len(mine) // local_batch):
+                    if world_rank == args.kill_rank and progress.step == args.kill_step:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    batch = xp.asarray(mine[step * local_batch:(step + 1) * local_batch])
+                    loss, hits, _ = loss_and_grads(
+                        params, x_train_dev[batch], y_train_dev[batch], xp, on_grad=shard.hook,
+                        scale=scaler.scale if scaler else 1.0)
+                    shard.step(params, optimizer, scaler)
+                    progress.offset += local_batch * comm.size
+                    progress.step += 1
+                    sums["loss"] += loss * local_batch
+                    sums["correct"] += hits
+                    sums["seen"] += local_batch
+                _, test_correct, _ = loss_and_grads(params, x_test_dev, y_test_dev, xp)
+                totals = all_reduce_metrics(comm, sums)
+            except FAILURES:
+                if not args.elastic:
+                    raise
+                shard = _recover(shard, params, velocity, progress, args, len(x_train))
+                continue
             if comm.rank == 0:
-                print(f"epoch {epoch + 1:3d}  loss {totals['loss'] / totals['seen']:.4f}  "
+                print(f"epoch {progress.epoch + 1:3d}  loss {totals['loss'] / totals['seen']:.4f}  "
                       f"train acc {totals['correct'] / totals['seen']:.4f}  "
                       f"test acc {test_correct / len(x_test):.4f}  "
                       f"({time.perf_counter() - start:.2f} s)", flush=True)
-        state = zero.state_bytes() if args.zero else optimizer.state_bytes()
+            progress.epoch, progress.offset = progress.epoch + 1, 0
+            sums = {"loss": 0.0, "correct": 0, "seen": 0}
+            start = time.perf_counter()
+        state = shard.zero.state_bytes() if args.zero else optimizer.state_bytes()
         states = all_reduce_metrics(comm, {"state": state}, op="max")
         if comm.rank == 0:
             skipped = f", {scaler.skipped_steps} step(s) skipped by the loss scaler" if scaler else ""
             print(f"# optimizer state per rank: {states['state']} bytes"
                   f"{' (sharded)' if args.zero else ''}{skipped}", flush=True)
+    finally:
+        (shard.comm if shard is not None else comm).close()
     return 0
 
 

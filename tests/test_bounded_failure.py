@@ -1,0 +1,185 @@
+"""Bounded failure with an unreachable store: a rank that hits a timeout or a dead peer raises
+within the communicator's timeout + 2 s, even when the store (where it publishes why it
+aborted, and reads why a peer did) no longer answers, as when the store's host is cut off.
+
+The store here is a real in-memory store behind a switch: once stalled, every call blocks
+(for far longer than the bound) as a TCP store behind a cut link would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import pytest
+
+from gpucoll import CommAbortedError, CommTimeoutError, GpucollError, PeerError
+from gpucoll.backends.cpu import CPUCommunicator
+from gpucoll.rendezvous.best_effort import best_effort
+from gpucoll.rendezvous.memory_store import MemoryStore
+from gpucoll.rendezvous.store import Store
+
+from nccl_emulated_harness import _wait_until, emu, run  # noqa: F401
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMEOUT = 1.5        # the communicators' timeout
+SLACK = 2.0          # what the bound allows past it
+STALL = 30.0         # how long a stalled store call blocks (released at teardown)
+
+
+class StallableStore(Store):
+    """A store (a MemoryStore unless given) whose every call blocks once :meth:`stall` was
+    called."""
+
+    def __init__(self, inner: Optional[Store] = None) -> None:
+        self.inner = inner if inner is not None else MemoryStore(timeout=10.0)
+        self.timeout = self.inner.timeout
+        self.stalled = False
+        self.released = threading.Event()
+        self.blocked_calls = 0
+
+    def stall(self) -> None:
+        self.stalled = True
+
+    def _gate(self) -> None:
+        if self.stalled:
+            self.blocked_calls += 1
+            self.released.wait(STALL)
+            raise ConnectionError("store unreachable")
+
+    def set(self, key: str, value: bytes) -> None:
+        self._gate()
+        self.inner.set(key, value)
+
+    def get(self, key: str, timeout: Optional[float] = None) -> bytes:
+        self._gate()
+        return self.inner.get(key, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        self._gate()
+        return self.inner.add(key, amount)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        self._gate()
+        return self.inner.check(keys)
+
+    def delete(self, key: str) -> bool:
+        self._gate()
+        return self.inner.delete(key)
+
+    def wait(self, keys: Sequence[str], timeout: Optional[float] = None) -> None:
+        self._gate()
+        self.inner.wait(keys, timeout)
+
+
+@pytest.fixture
+def pair():
+    """Two CPU communicators (threads of this process, TCP on loopback) over one store."""
+    store = StallableStore()
+    comms = [None, None]
+
+    def make(rank: int) -> None:
+        comms[rank] = CPUCommunicator(store, rank, 2, comm_id="bounded", token="t",
+                                      timeout=TIMEOUT, transport="tcp")
+
+    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert all(c is not None for c in comms), "the communicators were not created"
+    yield store, comms
+    store.released.set()
+    for comm in comms:
+        comm.abort()
+
+
+def _time_to_error(fn):
+    started = time.monotonic()
+    with pytest.raises(GpucollError) as info:
+        fn()
+    return time.monotonic() - started, info.value
+
+
+def test_timeout_with_the_store_unreachable_is_still_bounded(pair):
+    store, (rank0, rank1) = pair
+    x = np.arange(1 << 16, dtype=np.float32)
+    store.stall()  # rank 1 is alive but never joins; the store no longer answers
+    elapsed, error = _time_to_error(lambda: rank0.all_reduce(x))
+    assert isinstance(error, CommTimeoutError), repr(error)
+    assert "all_reduce #1" in str(error)
+    assert store.blocked_calls >= 1  # the abort was published (tried) through the stalled store
+    assert elapsed < TIMEOUT + SLACK, f"raised {elapsed:.1f} s after the call"
+    with pytest.raises(CommAbortedError):
+        rank0.all_reduce(x)
+
+
+def test_dead_peer_with_the_store_unreachable_is_named_at_once(pair):
+    store, (rank0, rank1) = pair
+    x = np.ones(1000, dtype=np.float64)
+    store.stall()
+    outcome = {}
+
+    def survivor() -> None:
+        outcome["elapsed"], outcome["error"] = _time_to_error(lambda: rank0.all_reduce(x))
+
+    thread = threading.Thread(target=survivor, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    rank1.abort()  # the peer goes away mid-collective; its abort cannot reach the store either
+    thread.join(TIMEOUT + SLACK + 5)
+    assert not thread.is_alive(), "rank 0 still blocked"
+    assert isinstance(outcome["error"], (PeerError, CommAbortedError)), repr(outcome["error"])
+    assert "peer 1" in str(outcome["error"]) or "rank 1" in str(outcome["error"])
+    assert outcome["elapsed"] < TIMEOUT + SLACK
+
+
+def test_best_effort_gives_up_after_its_budget_and_passes_values_through():
+    release = threading.Event()
+    started = time.monotonic()
+    assert best_effort(lambda: release.wait(30), 0.2) == (False, None)
+    assert time.monotonic() - started < 5
+    release.set()
+    assert best_effort(lambda: 42, 5.0) == (True, 42)
+    assert best_effort(lambda: 1 / 0, 5.0) == (False, None)
+
+
+def test_nccl_watchdog_timeout_with_the_store_unreachable_is_still_bounded(run, emu):
+    """The watchdog publishes progress, reads who arrived and publishes the abort through
+    the store; none of it may hold the abort back when the store stops answering."""
+    cp = emu.cupy
+    finished = threading.Event()
+    limit = 1.0
+
+    def fn(comm):
+        x = cp.ones(16, dtype=cp.float32)
+        comm.all_reduce(x)  # #1 on both ranks
+        comm.synchronize(timeout=5)
+        if comm.rank == 1:
+            assert finished.wait(20)  # never issues #2
+            return None
+        stalled = StallableStore(comm._store.store)  # this rank's view of the store
+        comm._store.store = stalled
+        try:
+            stalled.stall()
+            stream = cp.cuda.Stream(non_blocking=True)
+            emu.stall(stream)  # #2 cannot complete: rank 1 never issues it
+            started = time.monotonic()
+            comm.all_reduce(x, stream=stream)
+            assert _wait_until(lambda: comm.nccl_comm._status == "aborted", limit + 10)
+            elapsed = time.monotonic() - started
+            with pytest.raises(CommTimeoutError) as info:
+                comm.all_reduce(x)
+            return elapsed, str(info.value), stalled.blocked_calls
+        finally:
+            finished.set()
+            stalled.released.set()
+
+    (elapsed, message, blocked), _ = run(2, fn, timeout=limit)
+    assert "all_reduce #2 did not complete" in message, message
+    assert "the store could not say which ranks arrived" in message, message
+    assert blocked >= 1
+    assert elapsed < limit + SLACK, f"aborted {elapsed:.1f} s after the call"
