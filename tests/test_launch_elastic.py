@@ -40,7 +40,8 @@ def test_elastic_job_stops_below_min_ranks(piddir: Path):
     assert result.returncode == 3, result.stderr
     assert ("gpucoll run: rank 1 lost (exit code 3); 2 rank(s) left, fewer than --min-ranks 3: "
             "stopping the job") in result.stderr, result.stderr
-    assert "gpucoll run: rank 1 failed (exit code 3); stopped ranks 0, 2" in result.stderr
+    assert ("gpucoll run: root cause (first observed failure): rank 1 failed (exit code 3); "
+            "stopped ranks 0, 2") in result.stderr, result.stderr
     assert _wait_dead(_pids(piddir)) == []
 
 
