@@ -40,6 +40,7 @@ there is a warning.
 - ``backend``: ``auto`` (``"nccl"`` or ``"cpu"``), ``reason``, ``configured`` (the value of
   ``GPUCOLL_BACKEND``), ``nccl_backend`` (``"available"`` or why gpucoll cannot offer it).
 - ``backends``: every registered backend's name -> ``status`` (``"available"`` or why not),
+  ``details`` where the backend reports more (MPI: mpi4py, the library, ``cuda_aware``),
   ``memory`` (``"host"`` / ``"cuda"``) and ``description``.
 - ``warnings`` (list of str) and ``fix`` (the pip commands, one per line, or null).
 
@@ -252,8 +253,17 @@ def _backends_section() -> Dict[str, Any]:
     from .backends.registry import available_backends, backend_names, get_backend
 
     status = available_backends()
-    return {name: {"status": status[name], "memory": get_backend(name).memory,
-                   "description": get_backend(name).description} for name in backend_names()}
+    section: Dict[str, Any] = {}
+    for name in backend_names():
+        spec = get_backend(name)
+        entry = section[name] = {"status": status[name], "memory": spec.memory,
+                                 "description": spec.description}
+        if spec.details is not None and status[name] == "available":
+            try:
+                entry["details"] = spec.details()
+            except Exception as exc:  # a report with the reason beats no report
+                entry["details"] = {"error": _describe(exc)}
+    return section
 
 
 def _major(version: Optional[str]) -> Optional[int]:
@@ -427,6 +437,9 @@ def format_text(report: Dict[str, Any]) -> str:
     for name, entry in report.get("backends", {}).items():
         state = "available" if entry["status"] == "available" else "unavailable"
         lines.append(f"  {name:<8} {entry['memory']:<5} {state}: {entry['description']}")
+        if entry.get("details"):
+            lines.append(" " * 17 + ", ".join(f"{key} {value}"
+                                              for key, value in entry["details"].items()))
 
     if report["warnings"]:
         lines.append(f"Warnings ({len(report['warnings'])}):")

@@ -125,6 +125,35 @@ def test_cli_and_doctor_read_the_registry(toy):
     assert "toy" in doctor.format_text(report)
 
 
+def test_doctor_shows_what_an_available_backend_reports(toy):
+    """A backend's ``details`` (MPI: library, CUDA-awareness) reach doctor's report and text;
+    a probe that fails is reported, not fatal; an unavailable backend is not probed."""
+    from gpucoll import doctor
+
+    calls = []
+
+    def details():
+        calls.append(1)
+        return {"library": "Toy MPI 1.2", "cuda_aware": True}
+
+    registry.register_backend("toy", ToyCommunicator, lambda: toy["reason"], details=details,
+                              description="one rank, all_reduce only")
+    report = doctor.collect()
+    assert report["backends"]["toy"]["details"] == {"library": "Toy MPI 1.2", "cuda_aware": True}
+    assert "library Toy MPI 1.2, cuda_aware True" in doctor.format_text(report)
+
+    def broken():
+        raise RuntimeError("no MPI_Init here")
+
+    registry.register_backend("toy", ToyCommunicator, details=broken)
+    assert "no MPI_Init here" in doctor.collect()["backends"]["toy"]["details"]["error"]
+
+    calls.clear()
+    toy["reason"] = "not here"
+    registry.register_backend("toy", ToyCommunicator, lambda: toy["reason"], details=details)
+    assert "details" not in doctor.collect()["backends"]["toy"] and calls == []
+
+
 def test_memory_says_where_arrays_live(tmp_path):
     comm = gpucoll.init(backend="cpu", rank=0, world_size=1, url=f"file://{tmp_path}/s", timeout=5)
     try:

@@ -14,7 +14,7 @@ common ones and the options the backend declares.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from .. import config, cuda_env
 from .registry import register_backend
@@ -68,6 +68,17 @@ def _mpi_unavailable_reason() -> Optional[str]:
     return mpi_unavailable_reason()
 
 
+def _mpi_details() -> Dict[str, Any]:
+    """What ``gpucoll doctor`` says of MPI: mpi4py, the library, whether it is CUDA-aware
+    (device arrays handed to MPI directly; staged through host memory otherwise)."""
+    import mpi4py
+
+    from .mpi_types import cuda_aware, library_version
+
+    return {"mpi4py": mpi4py.__version__, "library": library_version(),
+            "cuda_aware": cuda_aware()}
+
+
 def shared_gpu_reason(local_size: Optional[int]) -> Optional[str]:
     """Why NCCL cannot give each of ``local_size`` ranks on this host a GPU (None: it can)."""
     count = cuda_env.device_count()
@@ -90,7 +101,7 @@ register_backend(
                      "backend='auto'")
 register_backend(
     "mpi", mpi_factory, _mpi_unavailable_reason, memory="host", auto_priority=None,
-    needs_store=False,
+    needs_store=False, details=_mpi_details,
     description="host arrays through mpi4py under mpiexec / mpirun / srun --mpi (device arrays "
                 "directly when MPI is CUDA-aware, else staged)",
     unavailable_hint="install the mpi extra (pip install 'gpucoll[mpi]') and start the job with "

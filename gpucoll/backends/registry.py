@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, Iterable, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional
 
 from ..errors import BackendUnavailableError
 
@@ -58,6 +58,8 @@ class BackendSpec:
         unavailable_hint: what to do instead when it cannot run (said in the error).
         needs_store: False for a backend that brings its own rendezvous (MPI): ``init()``
             then opens no store and passes ``store=None`` to the factory.
+        details: ``() -> {name: value}`` of facts ``gpucoll doctor`` shows when the backend
+            is available (library versions, CUDA-awareness...); None: nothing more.
     """
 
     name: str
@@ -70,6 +72,7 @@ class BackendSpec:
     description: str = ""
     unavailable_hint: str = ""
     needs_store: bool = True
+    details: Optional[Callable[[], Dict[str, Any]]] = None
 
 
 _REGISTRY: Dict[str, BackendSpec] = {}
@@ -81,7 +84,8 @@ def register_backend(name: str, factory: Callable,
                      auto_priority: Optional[int] = None,
                      auto_reason: Optional[Callable[[Optional[int]], Optional[str]]] = None,
                      description: str = "", unavailable_hint: str = "",
-                     needs_store: bool = True) -> BackendSpec:
+                     needs_store: bool = True,
+                     details: Optional[Callable[[], Dict[str, Any]]] = None) -> BackendSpec:
     """Add (or replace) a backend; see :class:`BackendSpec` for the arguments.
 
     Raises:
@@ -96,7 +100,7 @@ def register_backend(name: str, factory: Callable,
                          f"got {memory!r}")
     spec = BackendSpec(name, factory, unavailable_reason or _always_available, memory,
                        frozenset(options), auto_priority, auto_reason, description,
-                       unavailable_hint, bool(needs_store))
+                       unavailable_hint, bool(needs_store), details)
     _REGISTRY[name] = spec
     return spec
 
