@@ -114,6 +114,28 @@ def test_barrier_timeout_names_its_own_limit():
     assert message.endswith(f"(the limit is 0.5 s; {HINT})") and limit == 0.5
 
 
+def rank_late_for_barrier(comm):
+    if comm.rank == 2:
+        time.sleep(3)
+        return None
+    try:
+        comm.barrier(timeout=1)
+    except CommTimeoutError as exc:
+        return str(exc), exc.peer
+    return "no timeout", None
+
+
+def test_barrier_timeout_names_the_late_rank_not_the_one_it_waited_on():
+    """4 ranks, rank 2 late: in a dissemination barrier rank 1 waits on rank 3 (which waits
+    on rank 2); every on-time rank must still name rank 2."""
+    results = run_ranks(rank_late_for_barrier, 4, timeout=60)
+    for rank in (0, 1, 3):
+        message, peer = results[rank]
+        assert message.startswith(f"rank {rank}: barrier #1 timed out: rank(s) [2] did not reach "
+                                  f"it"), message
+        assert message.endswith(f"(the limit is 1 s; {HINT})") and peer == 2
+
+
 def rank_init_timeout(rank, size, url):
     import gpucoll
 

@@ -347,11 +347,36 @@ class CPUCommunicator(Communicator):
         seq = self._next_seq()
 
         def body(deadline: float):
+            if self.size > 2:  # who arrived, for naming the late ranks (with 2, it is the peer)
+                self._store.set(f"barrier/{self.rank}", str(seq).encode())
             if self.size > 1:
                 algorithms.get("barrier", algorithms.select("barrier", 0, self.size, self._override))(
                     self._transport, self._frame("barrier", seq, None), deadline)
 
-        self._submit("barrier", seq, self._order.all_channels, body, False, timeout=timeout)
+        try:
+            self._submit("barrier", seq, self._order.all_channels, body, False, timeout=timeout)
+        except CommTimeoutError as exc:
+            raise self._name_late_ranks(exc, seq) from None
+
+    def _name_late_ranks(self, exc: CommTimeoutError, seq: int) -> CommTimeoutError:
+        """Name the ranks that never reached barrier ``seq`` (each rank records the last
+        barrier it entered); a dissemination barrier's own wait may be on an innocent peer."""
+        def late() -> List[int]:
+            ranks = []
+            for rank in range(self.size):
+                key = f"barrier/{rank}"
+                if rank != self.rank and (not self._store.check([key]) or
+                                          int(self._store.get(key, READ_BUDGET)) < seq):
+                    ranks.append(rank)
+            return ranks
+
+        read, ranks = best_effort(late, READ_BUDGET) if self.size > 2 else (False, None)
+        if read and ranks:
+            head, sep, tail = str(exc.args[0]).partition(" (the limit is")
+            exc.args = (f"rank {self.rank}: barrier #{seq} timed out: rank(s) {ranks} did not "
+                        f"reach it{sep}{tail}",)
+            exc.peer = ranks[0]
+        return exc
 
     def _split(self, color: Optional[int], key: int) -> Optional["CPUCommunicator"]:
         seq = self._next_seq()
