@@ -15,16 +15,18 @@ and raises ``PeerError`` naming that worker's rank.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .. import kernels
 from ..ddp.optim import SGD, make_optimizer
-from ..errors import PeerError
+from ..errors import CommAbortedError, PeerError
 from .layout import DONE, PULL, PUSH, TAG_GRAD, TAG_HEADER, TAG_INIT, TAG_PARAMS, PSLayout
 
 __all__ = ["ParameterServer"]
+
+CULPRIT_WAIT = 1.0  # seconds to wait for the failure that aborted the communicator to be recorded
 
 
 def _array_module(x: Any):
@@ -76,7 +78,25 @@ class ParameterServer:
         self.stats: Dict[str, Any] = {}
 
     # ------------------------------------------------------------------ helpers
+    def _culprit(self, worker: Optional[int], what: str, exc: BaseException):
+        """When ``exc`` only says the communicator was aborted, the worker whose own failure
+        aborted it (its pending receive or send holds that error; it is recorded just after
+        the abort, so wait for it briefly): (worker, what, exc)."""
+        if not isinstance(exc, CommAbortedError):
+            return worker, what, exc
+        deadline = time.monotonic() + CULPRIT_WAIT
+        while True:
+            for other, work in list(self._pending.items()) + list(self._sends.items()):
+                if other != worker and work.is_completed():
+                    error = work.exception()
+                    if error is not None and not isinstance(error, CommAbortedError):
+                        return other, "died or stopped answering", error
+            if time.monotonic() >= deadline:
+                return worker, what, exc
+            time.sleep(0.01)
+
     def _fail(self, worker: int, what: str, exc: BaseException) -> None:
+        worker, what, exc = self._culprit(worker, what, exc)
         message = (f"parameter server rank {self.comm.rank}: worker rank {worker} {what} "
                    f"(after {self._pushes[worker]} pushes): {exc}")
         try:
@@ -157,38 +177,44 @@ class ParameterServer:
             self.bytes_sent += self.param.nbytes
             self._post(worker)
         scale = 1.0 / len(workers)
-        while active or self._pending:
-            worker = self._next_completed()
-            header = self._headers[worker]
-            kind, step = int(header[0]), int(header[1])
-            self.bytes_received += header.nbytes
-            if kind == DONE:
-                active.discard(worker)
-            elif kind == PULL:
-                self._reply(worker)
-            elif kind == PUSH:
-                if step != self._pushes[worker]:
-                    self._fail(worker, "broke the protocol",
-                               ValueError(f"pushed step {step}, expected {self._pushes[worker]}"))
-                try:
-                    comm.recv(grad, worker, tag=TAG_GRAD)
-                except Exception as exc:
-                    self._fail(worker, "died while sending its gradient", exc)
-                self.bytes_received += grad.nbytes
-                self._pushes[worker] += 1
-                self._arrivals.append(worker)
-                staleness_seen.append(self.version - self._sent_version[worker])
-                if layout.staleness == 0:
-                    total += grad
+        try:
+            while active or self._pending:
+                worker = self._next_completed()
+                header = self._headers[worker]
+                kind, step = int(header[0]), int(header[1])
+                self.bytes_received += header.nbytes
+                if kind == DONE:
+                    active.discard(worker)
+                elif kind == PULL:
+                    self._reply(worker)
+                elif kind == PUSH:
+                    if step != self._pushes[worker]:
+                        self._fail(worker, "broke the protocol",
+                                   ValueError(f"pushed step {step}, expected {self._pushes[worker]}"))
+                    try:
+                        comm.recv(grad, worker, tag=TAG_GRAD)
+                    except Exception as exc:
+                        self._fail(worker, "died while sending its gradient", exc)
+                    self.bytes_received += grad.nbytes
+                    self._pushes[worker] += 1
+                    self._arrivals.append(worker)
+                    staleness_seen.append(self.version - self._sent_version[worker])
+                    if layout.staleness == 0:
+                        total += grad
+                    else:
+                        grad *= scale
+                        self._update(grad)
+                    held.append(worker)
                 else:
-                    grad *= scale
-                    self._update(grad)
-                held.append(worker)
-            else:
-                self._fail(worker, "broke the protocol", ValueError(f"unknown message {kind}"))
-            held = self._release(held, active, total, scale)
-        for work in self._sends.values():
-            work.wait()
+                    self._fail(worker, "broke the protocol", ValueError(f"unknown message {kind}"))
+                held = self._release(held, active, total, scale)
+            for work in self._sends.values():
+                work.wait()
+        except CommAbortedError as exc:  # an isend or the abort itself, outside _fail
+            culprit, what, error = self._culprit(None, "", exc)
+            if culprit is None:
+                raise
+            self._fail(culprit, what, error)
         self.stats = {
             "updates": self.version, "pushes": dict(self._pushes),
             "max_staleness": max(staleness_seen, default=0),
