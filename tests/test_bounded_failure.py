@@ -183,3 +183,31 @@ def test_nccl_watchdog_timeout_with_the_store_unreachable_is_still_bounded(run, 
     assert "the store could not say which ranks arrived" in message, message
     assert blocked >= 1
     assert elapsed < limit + SLACK, f"aborted {elapsed:.1f} s after the call"
+
+
+class _LostDuringWait(StallableStore):
+    """A store lost while a rank waited: the wait times out, then every call stalls."""
+
+    def wait(self, keys, timeout=None):
+        self.stall()
+        raise CommTimeoutError("store: no reply to wait (the store server looks hung)")
+
+
+def test_rendezvous_timeout_with_the_store_lost_is_named_and_bounded():
+    from gpucoll.rendezvous.hosts import exchange_host_ids
+
+    store = _LostDuringWait()
+    try:
+        started = time.monotonic()
+        with pytest.raises(CommTimeoutError) as info:
+            exchange_host_ids(store, 0, 3, TIMEOUT)
+        assert time.monotonic() - started < SLACK
+        assert "the store could not say which" in str(info.value), str(info.value)
+        assert "of 3 did not join" in str(info.value)
+    finally:
+        store.released.set()
+    # a store that answers names the ranks that are missing
+    healthy = MemoryStore(timeout=10.0)
+    healthy.set("host/1", b"h1")
+    with pytest.raises(CommTimeoutError, match=r"rank\(s\) \[2\] of 3 did not join"):
+        exchange_host_ids(healthy, 0, 3, 0.2)

@@ -12,6 +12,7 @@ import socket
 from typing import List, Tuple
 
 from ..errors import CommTimeoutError
+from .best_effort import missing_ranks, ranks_text
 from .store import Store
 
 __all__ = ["host_id", "exchange_host_ids", "local_rank", "route_address"]
@@ -44,9 +45,9 @@ def exchange_host_ids(store: Store, rank: int, size: int, timeout: float,
     try:
         store.wait(keys, timeout)
     except CommTimeoutError:
-        missing = [int(key.rsplit("/", 1)[1]) for key in store.missing(keys)]
-        raise CommTimeoutError(f"rank {rank}: rank(s) {missing} of {size} did not join within "
-                               f"{timeout:g} s", rank=rank, op="init") from None
+        missing = missing_ranks(store, keys)
+        raise CommTimeoutError(f"rank {rank}: {ranks_text(missing)} of {size} did not join "
+                               f"within {timeout:g} s", rank=rank, op="init") from None
     return [mine if r == rank else store.get(keys[r], timeout).decode() for r in range(size)]
 
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import auth
 from ..errors import CollectiveMismatchError, CommTimeoutError, GpucollError, PeerError
+from ..rendezvous.best_effort import missing_ranks, ranks_text
 from ..rendezvous.store import Store
 from .base import HEADER, HEADER_BYTES, KIND_CLOSE, Frame, Recv, Transport, check_header
 
@@ -186,9 +187,9 @@ class SocketTransport(Transport):
                 try:
                     store.wait(keys, max(deadline - time.monotonic(), 0.001))
                 except CommTimeoutError:
-                    missing = [int(key.split("/")[1]) for key in store.missing(keys)]
+                    missing = missing_ranks(store, keys)
                     raise CommTimeoutError(
-                        f"rank {rank}: rank(s) {missing} of {size} did not join within "
+                        f"rank {rank}: {ranks_text(missing)} of {size} did not join within "
                         f"{timeout:g} s", rank=rank, op="init") from None
                 peers = {r: json.loads(store.get(f"addr/{r}", 1.0)) for r in range(size) if r != rank}
                 for peer in range(rank):
