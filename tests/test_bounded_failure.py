@@ -211,3 +211,45 @@ def test_rendezvous_timeout_with_the_store_lost_is_named_and_bounded():
     healthy.set("host/1", b"h1")
     with pytest.raises(CommTimeoutError, match=r"rank\(s\) \[2\] of 3 did not join"):
         exchange_host_ids(healthy, 0, 3, 0.2)
+
+
+def test_a_store_that_stops_answering_costs_at_most_the_timeout_and_the_reply_margin():
+    """A store whose host was lost mid-request (the connection is up, no reply ever comes):
+    the client gives up after the request's timeout + a short margin, well inside the bound."""
+    import socket
+
+    from gpucoll import auth
+    from gpucoll.rendezvous.tcp_store import TCPStore
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    done = threading.Event()
+
+    def silent_server() -> None:  # authenticates, reads the requests, never answers
+        conn, _ = listener.accept()
+        with conn:
+            auth.server_handshake(conn, "t", auth.KIND_STORE, 5.0)
+            conn.settimeout(0.2)
+            while not done.is_set():
+                try:
+                    if not conn.recv(4096):
+                        return
+                except socket.timeout:
+                    pass
+                except OSError:
+                    return
+
+    server = threading.Thread(target=silent_server, daemon=True)
+    server.start()
+    store = TCPStore("127.0.0.1", listener.getsockname()[1], token="t", timeout=TIMEOUT)
+    try:
+        elapsed, error = _time_to_error(lambda: store.wait(["never"], TIMEOUT))
+        assert isinstance(error, CommTimeoutError) and "no reply to wait" in str(error), error
+        assert TIMEOUT <= elapsed < TIMEOUT + SLACK, f"gave up {elapsed:.1f} s after the call"
+        elapsed, error = _time_to_error(lambda: store.set("k", b"v"))  # the client is now broken:
+        assert elapsed < 1.0 and "was lost earlier" in str(error), error  # fails at once
+    finally:
+        done.set()
+        store.close()
+        listener.close()
+        server.join(5)
