@@ -8,7 +8,9 @@ ranks, the store on host 0), every rank in a loop of 256 KiB all_reduces with
 - link cut: host 1's interface set down (no packet passes, no connection is reset);
 - host killed: every process of host 1 SIGKILLed;
 - store host killed: every process of host 0 (the launcher serving the store, its ranks);
-- store host lost: host 0 cut off, then its processes SIGKILLed (a power loss).
+- store host lost: host 0 cut off, then its processes SIGKILLed (a power loss);
+- link cut in split: host 1's link down while the ranks loop on ``split`` (each new
+  communicator meets its peers through the store) and an all_reduce on the half.
 
 For each it prints the survivors, the error each raised, and the worst time from the fault to
 an error (the ranks print wall-clock times; the test hosts share the machine's clock). The goal

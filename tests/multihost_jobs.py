@@ -173,13 +173,19 @@ def _store_host_lost(hosts: TestHosts) -> List[int]:
     return [0]
 
 
+# name -> (inject(hosts) -> lost hosts, what it does, what the ranks loop on)
 SCENARIOS = {
-    "link cut": (_link_cut, "host 1's link set down (ip link set ... down) mid-all_reduce"),
-    "host killed": (_host_killed, "every process of host 1 (launcher, ranks) SIGKILLed"),
+    "link cut": (_link_cut, "host 1's link set down (ip link set ... down) mid-all_reduce",
+                 "all_reduce"),
+    "host killed": (_host_killed, "every process of host 1 (launcher, ranks) SIGKILLed",
+                    "all_reduce"),
     "store host killed": (_store_host_killed, "every process of host 0 (the store's launcher, "
-                                              "its ranks) SIGKILLed"),
+                                              "its ranks) SIGKILLed", "all_reduce"),
     "store host lost": (_store_host_lost, "host 0 cut off, then its processes SIGKILLed "
-                                          "(as a power loss: no FIN or RST reaches the others)"),
+                                          "(as a power loss: no FIN or RST reaches the others)",
+                        "all_reduce"),
+    "link cut in split": (_link_cut, "host 1's link set down while the ranks split (a new "
+                                     "communicator's rendezvous through the store)", "split"),
 }
 
 
@@ -191,10 +197,10 @@ def run_fault_scenario(hosts: TestHosts, scenario: str, timeout: float, *, nproc
     Raises:
         RuntimeError: the job did not get going (the message carries its output).
     """
-    inject, _ = SCENARIOS[scenario]
+    inject, _, op = SCENARIOS[scenario]
     count = len(hosts.names)
     ranks = count * nproc
-    job = HostJob(hosts, ["loop", str(timeout)], nproc=nproc, port=port)
+    job = HostJob(hosts, ["loop", str(timeout), op], nproc=nproc, port=port)
     try:
         if not job.wait_for(r"\] READY ", ranks, start_limit):
             raise RuntimeError(f"the job did not start within {start_limit:g} s:\n{job.output()}")

@@ -3,8 +3,8 @@ joined by a veth pair, link-local addresses; see tests/netns.py), 2 ranks on eac
 
 Correct results across the hosts (every collective, split, new_group against NumPy), the
 auth token (a node with another token is refused, with an error naming the token), and
-faults: a link cut mid-collective, a host's processes killed, the store's host killed or
-lost. After each fault every surviving rank must raise a named gpucoll error within the
+faults: a link cut mid-collective or mid-split (a rendezvous through the store), a host's
+processes killed, the store's host killed or lost. After each fault every surviving rank must raise a named gpucoll error within the
 communicator's timeout + 2 s of the fault. Added latency and loss (tc netem) or a slow link
 (tc tbf), where the kernel has them, leave results correct.
 

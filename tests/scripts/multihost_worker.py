@@ -1,12 +1,13 @@
 """Rank program for tests/test_multihost.py, run by ``gpucoll run`` on test hosts.
 
-Usage: ``multihost_worker.py MODE TIMEOUT [LARGEST]``
+Usage: ``multihost_worker.py collectives TIMEOUT [LARGEST]`` or ``... loop TIMEOUT [OP]``
 
 - ``collectives``: every collective, send/recv, split and new_group across the hosts, each
   checked against NumPy (every rank computes every rank's input, see tests/reference.py),
   at 5 elements and ``LARGEST`` (default 70000: the ring algorithms);
   prints ``LINKS <json>`` (peer -> link kind) and ``CHECKED <n>``.
-- ``loop``: all_reduce 256 KiB (float32) in a loop; prints ``READY <rank> <time>`` after
+- ``loop``: all_reduce 256 KiB (float32) in a loop (OP ``split``: split the ranks in two
+  halves across the hosts, all_reduce on the half, close it); prints ``READY <rank> <time>`` after
   the first ones, then, when a fault stops the loop, ``FAULT <rank> <class> <time> <message>``
   (wall-clock time, comparable across test hosts of one machine) and exits 0 if the error is
   a gpucoll error, 3 otherwise. Stops with ``NOFAULT`` (exit 4) after 60 s without one.
@@ -29,7 +30,7 @@ from gpucoll.errors import GpucollError  # noqa: E402
 from reference import assert_equal_result, make_input, reduce_reference  # noqa: E402
 
 MODE, TIMEOUT = sys.argv[1], float(sys.argv[2])
-LARGEST = int(sys.argv[3]) if len(sys.argv) > 3 else 70_000
+ARG = sys.argv[3] if len(sys.argv) > 3 else None
 RANK = int(os.environ["RANK"])
 
 
@@ -49,7 +50,7 @@ def inputs(seed, size, shape, dtype, op="sum"):
 def check_collectives(comm) -> int:
     """Every collective of ``comm`` against NumPy; the number of results checked."""
     n, r, checked = comm.size, comm.rank, 0
-    for count in (5, LARGEST):  # small (tree / recursive doubling) and large (ring) messages
+    for count in (5, int(ARG or 70_000)):  # small (tree / recursive doubling) and large (ring) messages
         for dtype in ("float32", "int64"):
             for seed, op in enumerate(("sum", "prod", "min", "max", "avg")):
                 every = inputs(seed, n, (count,), dtype, op)
@@ -124,9 +125,16 @@ def loop() -> None:
     try:
         while time.monotonic() - started < 60:
             x.fill(1.0)
-            comm.all_reduce(x)
-            if x[0] != comm.size:
-                raise AssertionError(f"all_reduce #{i}: got {x[0]}, expected {comm.size}")
+            if ARG == "split":
+                half = comm.split(comm.rank % 2)
+                half.all_reduce(x[:16])
+                half.close()
+                expected = half.size
+            else:
+                comm.all_reduce(x)
+                expected = comm.size
+            if x[0] != expected:
+                raise AssertionError(f"loop #{i}: got {x[0]}, expected {expected}")
             i += 1
             if i == 5:
                 print(f"READY {RANK} {time.time():.3f}", flush=True)
