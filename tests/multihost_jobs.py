@@ -136,6 +136,7 @@ class FaultReport:
     timeout: float
     fault_time: float
     errors: Dict[int, tuple] = field(default_factory=dict)  # rank -> (class, seconds, message)
+    launchers: Dict[int, Optional[int]] = field(default_factory=dict)  # surviving host -> exit code
     output: str = ""
 
     @property
@@ -208,10 +209,11 @@ def run_fault_scenario(hosts: TestHosts, scenario: str, timeout: float, *, nproc
         lost_hosts = inject(hosts)
         survivors = [r for r in range(ranks) if r // nproc not in lost_hosts]
         living = [k for k in range(count) if k not in lost_hosts]
-        job.wait(timeout + 15.0, living)
+        codes = job.wait(timeout + 15.0, living)
     finally:
         job.stop()
-    report = FaultReport(scenario, ranks, survivors, timeout, fault_time, output=job.output())
+    report = FaultReport(scenario, ranks, survivors, timeout, fault_time, launchers=codes,
+                         output=job.output())
     for rank, (name, when, message) in job.faults().items():
         if rank in survivors:
             report.errors[rank] = (name, when - fault_time, message)

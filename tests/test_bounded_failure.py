@@ -253,3 +253,21 @@ def test_a_store_that_stops_answering_costs_at_most_the_timeout_and_the_reply_ma
         store.close()
         listener.close()
         server.join(5)
+
+
+def test_close_with_a_silent_peer_raises_within_its_timeout(pair):
+    """A peer cut off while this rank closes: close() is a collective and reports the timeout
+    (it used to return quietly, so the fault surfaced only a timeout later, at the next op)."""
+    store, (rank0, rank1) = pair
+    elapsed, error = _time_to_error(lambda: rank0.close(timeout=TIMEOUT))  # rank 1 never closes
+    assert isinstance(error, CommTimeoutError), repr(error)
+    assert "peer(s) [1]" in str(error) and error.op == "close", str(error)
+    assert TIMEOUT <= elapsed + 0.05 < TIMEOUT + SLACK, elapsed
+    assert rank0.closed
+
+
+def test_close_with_a_peer_that_exited_is_quiet(pair):
+    store, (rank0, rank1) = pair
+    rank1.abort()  # as an exited peer: its connections are closed
+    rank0.close(timeout=TIMEOUT)
+    assert rank0.closed

@@ -100,6 +100,8 @@ def test_every_survivor_raises_a_named_error_within_the_timeout(hosts, scenario)
         assert name in NAMED_ERRORS, f"rank {rank}: {name}: {message}"
         assert 0 <= delay < TIMEOUT + SLACK, (
             f"rank {rank} raised {name} {delay:.1f} s after the fault:\n{report.output}")
+    # the surviving hosts' launchers end with their ranks (each rank exits 0 once it reported)
+    assert all(code == 0 for code in report.launchers.values()), (report.launchers, report.output)
 
 
 @pytest.mark.parametrize("kind, spec", [
