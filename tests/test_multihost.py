@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -118,3 +121,37 @@ def test_results_stay_correct_on_an_impaired_link(hosts, kind, spec):
     _check_checked(job)
     for host in (0, 1):  # the traffic between the hosts went through the impaired link
         assert hosts.qdisc_sent_bytes(host) > 1 << 20, host
+
+
+def _reaches(hosts, src: int, dst: int) -> bool:
+    """Whether host ``src`` reaches host ``dst`` (a TCP connect to a closed port is refused)."""
+    probe = ("import socket, sys\n"
+             "s = socket.socket(); s.settimeout(1.0)\n"
+             "try:\n    s.connect((sys.argv[1], 9))\n"
+             "except ConnectionRefusedError:\n    print('refused')\n"
+             "except OSError as exc:\n    print(type(exc).__name__)\n")
+    proc = hosts.popen(src, [sys.executable, "-c", probe, hosts.addrs[dst]])
+    out, _ = proc.communicate(timeout=10)
+    return out.strip() == "refused"
+
+
+def test_three_test_hosts_on_a_bridge_and_a_cut_isolates_one():
+    """The fixture's own check: three hosts on a bridge reach each other; cutting one host's
+    link isolates that host only; restoring it reconnects it."""
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"multi-host tests need network namespaces: {reason}")
+    with netns.TestHosts(3) as hosts:
+        assert len(set(hosts.addrs)) == 3
+        assert all(_reaches(hosts, src, dst) for src, dst in [(0, 1), (1, 2), (2, 0)])
+        hosts.link_down(2)
+        assert _reaches(hosts, 0, 1) and not _reaches(hosts, 2, 0) and not _reaches(hosts, 1, 2)
+        hosts.link_up(2)
+        deadline = time.monotonic() + 5
+        while not _reaches(hosts, 2, 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _reaches(hosts, 2, 0)
+        names = list(hosts.names)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                            timeout=10).stdout
+    assert not any(name in listed for name in names), listed  # all deleted
