@@ -183,3 +183,91 @@ def test_nccl_watchdog_timeout_with_the_store_unreachable_is_still_bounded(run, 
     assert "the store could not say which ranks arrived" in message, message
     assert blocked >= 1
     assert elapsed < limit + SLACK, f"aborted {elapsed:.1f} s after the call"
+
+
+class _LostDuringWait(StallableStore):
+    """A store lost while a rank waited: the wait times out, then every call stalls."""
+
+    def wait(self, keys, timeout=None):
+        self.stall()
+        raise CommTimeoutError("store: no reply to wait (the store server looks hung)")
+
+
+def test_rendezvous_timeout_with_the_store_lost_is_named_and_bounded():
+    from gpucoll.rendezvous.hosts import exchange_host_ids
+
+    store = _LostDuringWait()
+    try:
+        started = time.monotonic()
+        with pytest.raises(CommTimeoutError) as info:
+            exchange_host_ids(store, 0, 3, TIMEOUT)
+        assert time.monotonic() - started < SLACK
+        assert "the store could not say which" in str(info.value), str(info.value)
+        assert "of 3 did not join" in str(info.value)
+    finally:
+        store.released.set()
+    # a store that answers names the ranks that are missing
+    healthy = MemoryStore(timeout=10.0)
+    healthy.set("host/1", b"h1")
+    with pytest.raises(CommTimeoutError, match=r"rank\(s\) \[2\] of 3 did not join"):
+        exchange_host_ids(healthy, 0, 3, 0.2)
+
+
+def test_a_store_that_stops_answering_costs_at_most_the_timeout_and_the_reply_margin():
+    """A store whose host was lost mid-request (the connection is up, no reply ever comes):
+    the client gives up after the request's timeout + a short margin, well inside the bound."""
+    import socket
+
+    from gpucoll import auth
+    from gpucoll.rendezvous.tcp_store import TCPStore
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    done = threading.Event()
+
+    def silent_server() -> None:  # authenticates, reads the requests, never answers
+        conn, _ = listener.accept()
+        with conn:
+            auth.server_handshake(conn, "t", auth.KIND_STORE, 5.0)
+            conn.settimeout(0.2)
+            while not done.is_set():
+                try:
+                    if not conn.recv(4096):
+                        return
+                except socket.timeout:
+                    pass
+                except OSError:
+                    return
+
+    server = threading.Thread(target=silent_server, daemon=True)
+    server.start()
+    store = TCPStore("127.0.0.1", listener.getsockname()[1], token="t", timeout=TIMEOUT)
+    try:
+        elapsed, error = _time_to_error(lambda: store.wait(["never"], TIMEOUT))
+        assert isinstance(error, CommTimeoutError) and "no reply to wait" in str(error), error
+        assert TIMEOUT <= elapsed < TIMEOUT + SLACK, f"gave up {elapsed:.1f} s after the call"
+        elapsed, error = _time_to_error(lambda: store.set("k", b"v"))  # the client is now broken:
+        assert elapsed < 1.0 and "was lost earlier" in str(error), error  # fails at once
+    finally:
+        done.set()
+        store.close()
+        listener.close()
+        server.join(5)
+
+
+def test_close_with_a_silent_peer_raises_within_its_timeout(pair):
+    """A peer cut off while this rank closes: close() is a collective and reports the timeout
+    (it used to return quietly, so the fault surfaced only a timeout later, at the next op)."""
+    store, (rank0, rank1) = pair
+    elapsed, error = _time_to_error(lambda: rank0.close(timeout=TIMEOUT))  # rank 1 never closes
+    assert isinstance(error, CommTimeoutError), repr(error)
+    assert "peer(s) [1]" in str(error) and error.op == "close", str(error)
+    assert TIMEOUT <= elapsed + 0.05 < TIMEOUT + SLACK, elapsed
+    assert rank0.closed
+
+
+def test_close_with_a_peer_that_exited_is_quiet(pair):
+    store, (rank0, rank1) = pair
+    rank1.abort()  # as an exited peer: its connections are closed
+    rank0.close(timeout=TIMEOUT)
+    assert rank0.closed

@@ -433,7 +433,10 @@ class CPUCommunicator(Communicator):
 
         Collective: waits (at most ``timeout``, default the communicator's) for the peers'
         close. Raises ``CollectiveMismatchError`` when a peer had sent data nobody received
-        (e.g. ranks that disagreed on a broadcast root). Idempotent; after an abort it only
+        (e.g. ranks that disagreed on a broadcast root), and ``CommTimeoutError`` naming the
+        peers still connected but silent at the timeout (cut off, or not closing): as any
+        collective, close never lets a fault pass unreported. A peer that already exited is
+        fine. Resources are released in every case. Idempotent; after an abort it only
         releases resources.
         """
         if self._closed:
@@ -445,9 +448,10 @@ class CPUCommunicator(Communicator):
         limit = self.timeout if timeout is None else timeout
         entry = self._order.issue(self._order.all_channels)
         problems: List[str] = []
+        silent: List[int] = []
         try:
             if self._order.acquire(entry, time.monotonic() + limit, lambda: self._aborted is not None):
-                problems = self._transport.close_handshake(time.monotonic() + limit)
+                problems, silent = self._transport.close_handshake(time.monotonic() + limit)
         finally:
             self._order.release(entry)
             self._closed = True
@@ -457,6 +461,11 @@ class CPUCommunicator(Communicator):
             raise CollectiveMismatchError(
                 f"rank {self.rank}: messages were left unreceived at close: " + "; ".join(problems),
                 rank=self.rank)
+        if silent:
+            raise CommTimeoutError(
+                f"rank {self.rank}: close timed out waiting for peer(s) {silent} to close; their "
+                f"connections stayed open but silent (cut off, or not closing)", rank=self.rank,
+                peer=silent[0] if len(silent) == 1 else None, op="close", limit=limit)
 
     def __del__(self):  # best effort: never leave sockets behind
         try:

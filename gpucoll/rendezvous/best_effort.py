@@ -11,9 +11,9 @@ finish or fail on its own; it holds nothing the caller needs).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-__all__ = ["ABORT_BUDGET", "READ_BUDGET", "best_effort"]
+__all__ = ["ABORT_BUDGET", "READ_BUDGET", "best_effort", "missing_ranks", "ranks_text"]
 
 ABORT_BUDGET = 0.5   # seconds a rank waits to publish why it aborted
 READ_BUDGET = 1.0    # seconds a rank waits to read what its peers published
@@ -44,3 +44,18 @@ def best_effort(call: Callable[[], Any], budget: float) -> Tuple[bool, Any]:
     if thread.is_alive() or "failed" in outcome:
         return False, None
     return True, outcome.get("value")
+
+
+def missing_ranks(store: Any, keys: Sequence[str]) -> Optional[List[int]]:
+    """The ranks whose key (``.../<rank>``) is missing from ``store``, asked after a wait for
+    ``keys`` timed out; None when the store cannot say within :data:`READ_BUDGET` (it may be
+    the reason for the timeout)."""
+    read, missing = best_effort(lambda: store.missing(keys), READ_BUDGET)
+    if not read:
+        return None
+    return [int(key.rsplit("/", 1)[1]) for key in missing]
+
+
+def ranks_text(ranks: Optional[List[int]]) -> str:
+    """``"rank(s) [2, 3]"``, or what to say when the store could not tell (see above)."""
+    return "some rank(s) (the store could not say which)" if ranks is None else f"rank(s) {ranks}"

@@ -14,6 +14,7 @@ from typing import List, Sequence, Tuple
 
 from ..auth import TOKEN_DIFFERS
 from ..errors import AuthenticationError, CommTimeoutError
+from .best_effort import READ_BUDGET, best_effort, missing_ranks, ranks_text
 from .store import AUTH_REFUSED_KEY, PrefixStore, Store
 
 __all__ = ["host_id", "exchange_host_ids", "local_rank", "route_address", "wait_for_join"]
@@ -89,13 +90,15 @@ def wait_for_join(store: Store, keys: Sequence[str], timeout: float, rank: int,
             store.wait(keys, max(min(remaining, _JOIN_SLICE), 0.001))
             return
         except CommTimeoutError:
-            if root.check([AUTH_REFUSED_KEY]):
-                missing = [int(key.rsplit("/", 1)[1]) for key in store.missing(keys)]
-                who = root.get(AUTH_REFUSED_KEY, 1.0).decode(errors="replace")
+            # best effort: the store may be what was lost (its host gone, the link cut)
+            _, refused = best_effort(
+                lambda: root.get(AUTH_REFUSED_KEY, 1.0) if root.check([AUTH_REFUSED_KEY])
+                else None, READ_BUDGET)
+            if refused is not None:
                 raise AuthenticationError(
-                    f"rank {rank}: rank(s) {missing} of {size} cannot join: {who}; "
-                    f"{TOKEN_DIFFERS}") from None
+                    f"rank {rank}: {ranks_text(missing_ranks(store, keys))} of {size} cannot "
+                    f"join: {refused.decode(errors='replace')}; {TOKEN_DIFFERS}") from None
             if remaining <= _JOIN_SLICE:
-                missing = [int(key.rsplit("/", 1)[1]) for key in store.missing(keys)]
-                raise CommTimeoutError(f"rank {rank}: rank(s) {missing} of {size} did not join "
-                                       f"within {timeout:g} s", rank=rank, op="init") from None
+                raise CommTimeoutError(f"rank {rank}: {ranks_text(missing_ranks(store, keys))} "
+                                       f"of {size} did not join within {timeout:g} s", rank=rank,
+                                       op="init") from None

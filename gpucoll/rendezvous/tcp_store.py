@@ -61,7 +61,11 @@ MAX_KEYS = 1 << 20
 _U8, _U32, _U64, _I64 = (struct.Struct(f) for f in ("!B", "!I", "!Q", "!q"))
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
-_REPLY_MARGIN = 10.0           # client waits this long past a request's timeout for the reply
+# The client waits this long past a request's own timeout for the reply. The server answers
+# at the timeout (TIMEOUT status) or before, so the margin only covers scheduling delays; kept
+# short because it is also how long a rank waits on a store whose host was lost, on top of
+# the timeout (the bound after any fault is the timeout + 2 s).
+_REPLY_MARGIN = 1.0
 _REQUEST_STALL_TIMEOUT = 60.0  # server drops a client silent this long in mid-request
 _WAITER_POLL = 1.0             # how often a waiting server thread checks its client is alive
 _MAX_SOCKET_TIMEOUT = 1e7      # larger timeouts are clamped before they reach the OS
@@ -489,7 +493,7 @@ class TCPStore(Store):
                 self._drop(f"no reply to {name} within {io_timeout:g} s")
                 raise CommTimeoutError(
                     f"store at {self.address}: no reply to {name} within {io_timeout:g} s; "
-                    f"the store server looks hung") from None
+                    f"the store server looks hung, or its host is unreachable") from None
             except (OSError, _ProtocolError) as exc:
                 if self._closed:
                     raise StoreError(f"the client of the store at {self.address} was closed "

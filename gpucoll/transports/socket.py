@@ -456,14 +456,17 @@ class SocketTransport(Transport):
             f"it exited, crashed or aborted", rank=self.rank, peer=peer, op=frame.op, seq=frame.seq)
 
     # ------------------------------------------------------------------ shutdown
-    def close_handshake(self, deadline: float) -> List[str]:
+    def close_handshake(self, deadline: float) -> Tuple[List[str], List[int]]:
         """Tell every peer we are closing and read their close frames.
 
-        Returns descriptions of unread data found (a peer sent something nobody received,
-        e.g. after ranks disagreed on a broadcast root); a peer that already went away is
-        not a problem here.
+        Returns:
+            Descriptions of unread data found (a peer sent something nobody received, e.g.
+            after ranks disagreed on a broadcast root), and the peers whose connection stayed
+            open but silent until ``deadline`` (a peer that already went away is not a
+            problem here; a silent one may be cut off, or late).
         """
         problems: List[str] = []
+        silent: List[int] = []
         header = _CLOSE_FRAME.pack(0, KIND_CLOSE)
         for peer, sock in list(self.socks.items()):
             try:
@@ -475,10 +478,10 @@ class SocketTransport(Transport):
             got = 0
             try:
                 while got < HEADER_BYTES:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
+                    # past the deadline, still take what has already arrived
+                    remaining = max(deadline - time.monotonic(), 0.0)
                     if not select.select([sock], [], [], remaining)[0]:
+                        silent.append(peer)
                         break
                     n = sock.recv_into(memoryview(buf)[got:])
                     if n == 0:
@@ -492,7 +495,7 @@ class SocketTransport(Transport):
                     from .base import OP_NAMES
                     problems.append(f"peer {peer} sent {OP_NAMES.get(op, op)} #{seq} "
                                     f"({nbytes} bytes) that rank {self.rank} never received")
-        return problems
+        return problems, silent
 
     def close(self) -> None:
         """Shut down and close every socket (idempotent; wakes threads blocked on them)."""
