@@ -91,9 +91,13 @@ def wait_for_join(store: Store, keys: Sequence[str], timeout: float, rank: int,
             return
         except CommTimeoutError:
             # best effort: the store may be what was lost (its host gone, the link cut)
-            _, refused = best_effort(
+            answered, refused = best_effort(
                 lambda: root.get(AUTH_REFUSED_KEY, 1.0) if root.check([AUTH_REFUSED_KEY])
                 else None, READ_BUDGET)
+            if not answered:  # the store itself stopped answering: waiting on cannot help
+                raise CommTimeoutError(f"rank {rank}: {ranks_text(None)} of {size} did not join "
+                                       f"within {timeout:g} s, and the store stopped answering",
+                                       rank=rank, op="init") from None
             if refused is not None:
                 raise AuthenticationError(
                     f"rank {rank}: {ranks_text(missing_ranks(store, keys))} of {size} cannot "
