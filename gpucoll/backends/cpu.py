@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -28,10 +29,14 @@ from ..algorithms.direct import byte_view
 from ..communicator import Communicator
 from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutError, GpucollError,
                       PeerError)
+from ..algorithms import shared as shared_algorithms
+from ..algorithms.hierarchical import hierarchical_all_reduce
 from ..rendezvous.store import PrefixStore, Store
 from ..transports.base import Frame, Recv
 from ..rendezvous import hosts
 from ..transports import select as select_transport
+from ..transports import shm
+from ..transports.base import OP_CODES
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
 from ..work import Work
 from . import signature
@@ -39,6 +44,19 @@ from .ordering import Channel, OpOrder
 from .staging import Staged
 
 __all__ = ["CPUCommunicator"]
+
+_SHARED = {
+    "all_reduce": shared_algorithms.shared_all_reduce,
+    "broadcast": shared_algorithms.shared_broadcast,
+    "reduce": shared_algorithms.shared_reduce,
+    "all_gather": shared_algorithms.shared_all_gather,
+    "reduce_scatter": shared_algorithms.shared_reduce_scatter,
+    "gather": shared_algorithms.shared_gather,
+    "scatter": shared_algorithms.shared_scatter,
+    "all_to_all": shared_algorithms.shared_all_to_all,
+}
+_OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp, 1)}
+
 
 def _flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1)
@@ -63,7 +81,7 @@ class CPUCommunicator(Communicator):
                  timeout: float, transport: str = "auto", advertise_host: str = "127.0.0.1",
                  socket_buffer: int = 0, chunk_bytes: int = 256 << 10,
                  ring_threshold: int = 256 << 10, algorithm_override: Optional[dict] = None,
-                 debug: bool = False, owns_store: bool = True):
+                 debug: bool = False, shm_bytes: int = 2 << 20, owns_store: bool = True):
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is out of range for world_size={size}")
         self.rank, self.size, self.timeout = rank, size, float(timeout)
@@ -75,7 +93,7 @@ class CPUCommunicator(Communicator):
         self._settings = dict(transport=transport, advertise_host=advertise_host,
                               socket_buffer=socket_buffer, chunk_bytes=chunk_bytes,
                               ring_threshold=ring_threshold, algorithm_override=algorithm_override,
-                              debug=debug)
+                              debug=debug, shm_bytes=shm_bytes)
         self._ring_threshold = ring_threshold
         self._override = algorithm_override or {}
         self._debug = debug
@@ -86,6 +104,11 @@ class CPUCommunicator(Communicator):
             self._store, rank, size, host_ids=host_ids, mode=transport, comm_id=comm_id,
             token=token, timeout=max(deadline - time.monotonic(), 0.001),
             advertise_host=advertise_host, buffer_bytes=socket_buffer, chunk_bytes=chunk_bytes)
+        self._shared: Optional[shm.SharedSegment] = None
+        self._leaders: List[int] = []
+        self._all_shared = False
+        if size > 1 and select_transport.shared_memory_mode(transport) != "off":
+            self._open_shared(host_ids, transport, token, shm_bytes, deadline)
         self._order = OpOrder(rank, size)
         self._seq = 0
         self._seq_lock = threading.Lock()
@@ -94,10 +117,42 @@ class CPUCommunicator(Communicator):
         self._aborted: Optional[str] = None
         self._closed = False
 
+    def _open_shared(self, host_ids: List[str], mode: str, token: str, shm_bytes: int,
+                     deadline: float) -> None:
+        """Map this host's segment (every rank agrees on whether shared memory is used)."""
+        try:
+            segment, reason = shm.open_local_segment(
+                self._store, self.rank, host_ids, token=token, comm_id=self.comm_id,
+                slot_bytes=shm_bytes, timeout=max(deadline - time.monotonic(), 0.001))
+        except BaseException:
+            self._transport.close()
+            raise
+        if reason is not None:
+            if select_transport.shared_memory_mode(mode) == "required":
+                self._transport.close()
+                raise shm.SharedMemoryUnavailable(
+                    f"rank {self.rank}: transport 'shm' needs shared memory: {reason}")
+            if not reason.startswith("unsupported: "):
+                warnings.warn(f"gpucoll: rank {self.rank}: shared memory unavailable, using "
+                              f"sockets between ranks on one host: {reason}", RuntimeWarning,
+                              stacklevel=4)
+            return
+        self._shared = segment
+        if segment is not None:
+            segment.liveness = self._transport.hung_up
+        leaders = sorted({host_ids.index(h) for h in host_ids})
+        self._all_shared = segment is not None and segment.size == self.size
+        if not self._all_shared and len(leaders) < self.size:
+            self._leaders = leaders
+
     @property
     def transport_kinds(self) -> Dict[int, str]:
-        """peer -> "unix" or "tcp": the link used to each peer."""
-        return dict(self._transport.kinds)
+        """peer -> "shm", "unix" or "tcp": how collectives reach each peer ("shm": through
+        this host's shared-memory segment; point-to-point still uses a socket)."""
+        kinds = dict(self._transport.kinds)
+        if self._shared is not None:
+            kinds.update({peer: "shm" for peer in self._shared.ranks if peer != self.rank})
+        return kinds
 
     # ------------------------------------------------------------------ execution
     def _next_seq(self) -> int:
@@ -179,11 +234,31 @@ class CPUCommunicator(Communicator):
             self._store.set(f"abort/{self.rank}", reason.encode())
         except Exception:
             pass
+        if self._shared is not None:
+            self._shared.mark_aborted()
         self._transport.close()
         self._order.wake()
 
     def _frame(self, name: str, seq: int, dtype) -> Frame:
         return Frame(name, seq, wire_code(dtype) if dtype is not None else 0)
+
+    def _run_shared(self, name: str, seq: int, buffers, sample, nbytes: int,
+                    op: Optional[ReduceOp], root: Optional[int], deadline: float) -> None:
+        """The collective through this host's segment (node-aware across hosts)."""
+        frame = self._frame(name, seq, sample.dtype)
+        if self._shared is not None:
+            self._shared.expect((OP_CODES[name], frame.dtype, nbytes,
+                                 -1 if root is None else root, _OP_NUMBERS.get(op, 0)))
+        combine = () if op is None else (combine_fn(op, sample.dtype),)
+        if self._all_shared:
+            extra = (() if root is None else (root,)) + combine
+            _SHARED[name](self._shared, *buffers, *extra, frame, deadline)
+            return
+        leader_fn = algorithms.get("all_reduce", algorithms.select(
+            "all_reduce", sample.nbytes, len(self._leaders), self._override,
+            itemsize=sample.itemsize, ring_threshold=self._ring_threshold))
+        hierarchical_all_reduce(self._shared, self._transport, self._leaders, buffers[0],
+                                combine[0], leader_fn, frame, deadline)
 
     def _algorithm(self, collective: str, nbytes: int, itemsize: int):
         name = algorithms.select(collective, nbytes, self.size, self._override, itemsize=itemsize,
@@ -233,12 +308,16 @@ class CPUCommunicator(Communicator):
             if self.size > 1:
                 buffers = (result,) if in_place else (send, result)
                 sample = send if send is not None else result
-                fn = self._algorithm(name, _selection_bytes(name, send, result, self.size),
-                                     sample.itemsize)
-                extra = (() if root is None else (root,)) + (
-                    () if op is None else (combine_fn(op, sample.dtype),))
-                fn(self._transport, *buffers, *extra, self._frame(name, seq, sample.dtype),
-                   deadline)
+                if self._all_shared or (self._leaders and name == "all_reduce"):
+                    self._run_shared(name, seq, buffers, sample, signed.host.nbytes, op, root,
+                                     deadline)
+                else:
+                    fn = self._algorithm(name, _selection_bytes(name, send, result, self.size),
+                                         sample.itemsize)
+                    extra = (() if root is None else (root,)) + (
+                        () if op is None else (combine_fn(op, sample.dtype),))
+                    fn(self._transport, *buffers, *extra, self._frame(name, seq, sample.dtype),
+                       deadline)
             elif not in_place and result is not None and result is not send:
                 np.copyto(result, send)
             if dst is None:
@@ -336,7 +415,11 @@ class CPUCommunicator(Communicator):
         seq = self._next_seq()
 
         def body(deadline: float):
-            if self.size > 1:
+            if self._all_shared:
+                frame = self._frame("barrier", seq, None)
+                self._shared.expect((OP_CODES["barrier"], 0, 0, -1, 0))
+                shared_algorithms.shared_barrier(self._shared, frame, deadline)
+            elif self.size > 1:
                 algorithms.get("barrier", algorithms.select("barrier", 0, self.size, self._override))(
                     self._transport, self._frame("barrier", seq, None), deadline)
 
@@ -396,6 +479,8 @@ class CPUCommunicator(Communicator):
             self._order.release(entry)
             self._closed = True
             self._transport.close()
+            if self._shared is not None:
+                self._shared.close()
             self._release_store()
         if problems:
             raise CollectiveMismatchError(

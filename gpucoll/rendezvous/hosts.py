@@ -11,6 +11,7 @@ import os
 import socket
 from typing import List, Tuple
 
+from .. import config
 from ..errors import CommTimeoutError
 from .store import Store
 
@@ -18,7 +19,11 @@ __all__ = ["host_id", "exchange_host_ids", "local_rank", "route_address"]
 
 
 def host_id() -> str:
-    """Identity of this host and network namespace (see module doc)."""
+    """Identity of this host and network namespace (see module doc); GPUCOLL_HOST_ID
+    overrides it (tests that pretend to be several hosts)."""
+    override = config.get("GPUCOLL_HOST_ID")
+    if override:
+        return override
     parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

@@ -1,0 +1,223 @@
+"""Collectives over one host's shared-memory segment (:class:`~gpucoll.transports.shm.SharedSegment`).
+
+Every local rank can read every other rank's slot, so these are not pipes: a rank copies its
+input into its slot once, every rank synchronizes, and then each reads (or reduces) what it
+needs straight from the others' slots. Messages larger than a slot go in slot-sized steps
+(``S`` = slot bytes, ``L`` local ranks, ``N`` the message); each step alternates between the
+segment's two buffer sets, so one sync per step keeps writers and readers apart.
+
+Functions take ``(segment, *buffers, [root], [combine], frame, deadline)`` with flat NumPy
+arrays, in the order of the socket algorithms of the same collective; ranks are local indices
+(on a single-host communicator they equal the communicator's ranks). "Bytes copied" counts
+memory traffic per rank instead of bytes on a wire.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..transports.base import Frame
+from ..transports.shm import SharedSegment
+
+__all__ = ["shared_all_reduce", "shared_reduce", "shared_broadcast", "shared_all_gather",
+           "shared_reduce_scatter", "shared_gather", "shared_scatter", "shared_all_to_all",
+           "shared_barrier", "SMALL_BYTES"]
+
+Combine = Callable[[np.ndarray, np.ndarray], None]
+
+# Up to this size every rank reduces the whole message itself (one sync); above it each rank
+# reduces a 1/L slice and everyone copies the slices out (two syncs, 1/L of the arithmetic).
+SMALL_BYTES = 64 << 10
+
+
+def _raw(array: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    return None if array is None else array.view(np.uint8)
+
+
+def _step_bytes(segment: SharedSegment, itemsize: int, parts: int = 1) -> int:
+    """Bytes per step and part: ``parts`` of them fill a slot, each a whole number of items."""
+    return max(segment.slot_bytes // (parts * itemsize) * itemsize, itemsize)
+
+
+def _steps(total: int, step: int):
+    """(offset, bytes) of each step; at least one step, so an empty message still syncs."""
+    if total == 0:
+        yield 0, 0
+        return
+    for offset in range(0, total, step):
+        yield offset, min(step, total - offset)
+
+
+def _reduce_into(dst: np.ndarray, sources, combine: Combine) -> None:
+    """``dst = sources[0] (op) sources[1] (op) ...`` in that order (same on every rank)."""
+    np.copyto(dst, sources[0])
+    for source in sources[1:]:
+        combine(dst, source)
+
+
+def shared_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine, frame: Frame,
+                      deadline: float) -> None:
+    """All-reduce ``buf`` in place through shared memory.
+
+    Small (``N <= SMALL_BYTES``): copy in, 1 sync, every rank reduces all L slots into
+    ``buf``: copies N in, reads L*N. Large, per step of up to S bytes: copy in, sync, reduce
+    my 1/L slice of every slot into my slot, sync, copy the L reduced slices out: copies
+    2N, reads and combines (L-1)*N/L, 2 syncs per step.
+    """
+    size, me, item, dtype = segment.size, segment.index, buf.itemsize, buf.dtype
+    raw, total = _raw(buf), buf.nbytes
+    if total <= SMALL_BYTES:
+        np.copyto(segment.slot(me)[:total], raw)
+        segment.sync(frame, deadline)
+        _reduce_into(buf, [segment.slot(q)[:total].view(dtype) for q in range(size)], combine)
+        segment.next_step()
+        return
+    for offset, nbytes in _steps(total, _step_bytes(segment, item * size)):
+        np.copyto(segment.slot(me)[:nbytes], raw[offset:offset + nbytes])
+        segment.sync(frame, deadline)
+        count = nbytes // item
+        bounds = [part * count // size * item for part in range(size + 1)]
+        lo, hi = bounds[me], bounds[me + 1]
+        mine = segment.slot(me)[lo:hi].view(dtype)
+        for q in range(size):
+            if q != me:
+                combine(mine, segment.slot(q)[lo:hi].view(dtype))
+        segment.sync(frame, deadline)
+        for q in range(size):
+            lo, hi = bounds[q], bounds[q + 1]
+            np.copyto(raw[offset + lo:offset + hi], segment.slot(q)[lo:hi])
+        segment.next_step()
+
+
+def shared_reduce(segment: SharedSegment, send: np.ndarray, out: Optional[np.ndarray], root: int,
+                  combine: Combine, frame: Frame, deadline: float) -> None:
+    """Reduce into ``out`` on ``root`` through shared memory (``out`` may be ``send``).
+
+    Small: copy in, 1 sync, the root reduces all L slots (reads L*N). Large, per step: copy
+    in, sync, each rank reduces its 1/L slice into its slot, sync, the root copies the L
+    slices out: each rank copies N in and combines (L-1)*N/L; the root also copies N out.
+    """
+    size, me, item, dtype = segment.size, segment.index, send.itemsize, send.dtype
+    raw, total = _raw(send), send.nbytes
+    if total <= SMALL_BYTES:
+        np.copyto(segment.slot(me)[:total], raw)
+        segment.sync(frame, deadline)
+        if me == root:
+            _reduce_into(out, [segment.slot(q)[:total].view(dtype) for q in range(size)],
+                         combine)
+        segment.next_step()
+        return
+    result = _raw(out)
+    for offset, nbytes in _steps(total, _step_bytes(segment, item * size)):
+        np.copyto(segment.slot(me)[:nbytes], raw[offset:offset + nbytes])
+        segment.sync(frame, deadline)
+        count = nbytes // item
+        bounds = [part * count // size * item for part in range(size + 1)]
+        lo, hi = bounds[me], bounds[me + 1]
+        mine = segment.slot(me)[lo:hi].view(dtype)
+        for q in range(size):
+            if q != me:
+                combine(mine, segment.slot(q)[lo:hi].view(dtype))
+        segment.sync(frame, deadline)
+        if me == root:
+            for q in range(size):
+                lo, hi = bounds[q], bounds[q + 1]
+                np.copyto(result[offset + lo:offset + hi], segment.slot(q)[lo:hi])
+        segment.next_step()
+
+
+def shared_broadcast(segment: SharedSegment, buf: np.ndarray, root: int, frame: Frame,
+                     deadline: float) -> None:
+    """Broadcast ``buf`` from ``root``: per step the root copies in, 1 sync, the others copy
+    out in parallel. The root copies N, every other rank N."""
+    me, raw = segment.index, _raw(buf)
+    for offset, nbytes in _steps(buf.nbytes, _step_bytes(segment, buf.itemsize)):
+        if me == root:
+            np.copyto(segment.slot(root)[:nbytes], raw[offset:offset + nbytes])
+        segment.sync(frame, deadline)
+        if me != root:
+            np.copyto(raw[offset:offset + nbytes], segment.slot(root)[:nbytes])
+        segment.next_step()
+
+
+def _gather_into(segment: SharedSegment, send: np.ndarray, out: Optional[np.ndarray],
+                 frame: Frame, deadline: float) -> None:
+    size, me, raw, piece = segment.size, segment.index, _raw(send), send.nbytes
+    result = _raw(out)
+    for offset, nbytes in _steps(piece, _step_bytes(segment, send.itemsize)):
+        np.copyto(segment.slot(me)[:nbytes], raw[offset:offset + nbytes])
+        segment.sync(frame, deadline)
+        if result is not None:
+            for q in range(size):
+                start = q * piece + offset
+                np.copyto(result[start:start + nbytes], segment.slot(q)[:nbytes])
+        segment.next_step()
+
+
+def shared_all_gather(segment: SharedSegment, send: np.ndarray, out: np.ndarray, frame: Frame,
+                      deadline: float) -> None:
+    """All-gather: per step each rank copies its piece in, 1 sync, each copies all L pieces
+    out. Copies N in and L*N out per rank (N = one rank's piece)."""
+    _gather_into(segment, send, out, frame, deadline)
+
+
+def shared_gather(segment: SharedSegment, send: np.ndarray, out: Optional[np.ndarray], root: int,
+                  frame: Frame, deadline: float) -> None:
+    """Gather to ``root``: each rank copies its piece in, 1 sync per step, the root copies
+    the L pieces out (L*N); the others copy N."""
+    _gather_into(segment, send, out if segment.index == root else None, frame, deadline)
+
+
+def _exchange_pieces(segment: SharedSegment, send: Optional[np.ndarray], out: np.ndarray,
+                     frame: Frame, deadline: float, writers, reduce: Optional[Combine]) -> None:
+    """Each writer copies all L pieces of ``send`` in (piece q at q*step), sync, and each
+    rank takes piece ``index`` from every writer's slot into ``out`` (reducing them when
+    ``reduce`` is given, else writer w's piece goes to ``out`` block w, or the only block)."""
+    size, me, dtype = segment.size, segment.index, out.dtype
+    piece = out.nbytes if reduce is not None or len(writers) == 1 else out.nbytes // size
+    raw, result = _raw(send), _raw(out)
+    step = _step_bytes(segment, out.itemsize, size)
+    for offset, nbytes in _steps(piece, step):
+        if me in writers:
+            slot = segment.slot(me)
+            for q in range(size):
+                np.copyto(slot[q * step:q * step + nbytes],
+                          raw[q * piece + offset:q * piece + offset + nbytes])
+        segment.sync(frame, deadline)
+        mine = slice(me * step, me * step + nbytes)
+        if reduce is not None:
+            target = result[offset:offset + nbytes].view(dtype)
+            _reduce_into(target, [segment.slot(q)[mine].view(dtype) for q in writers], reduce)
+        else:
+            for block, writer in enumerate(writers):
+                start = block * piece + offset
+                np.copyto(result[start:start + nbytes], segment.slot(writer)[mine])
+        segment.next_step()
+
+
+def shared_reduce_scatter(segment: SharedSegment, send: np.ndarray, out: np.ndarray,
+                          combine: Combine, frame: Frame, deadline: float) -> None:
+    """Reduce-scatter: each rank copies its L pieces in, 1 sync per step, each reduces its
+    own piece from every slot straight into ``out``: copies L*N in, reads L*N (N = piece)."""
+    _exchange_pieces(segment, send, out, frame, deadline, range(segment.size), combine)
+
+
+def shared_scatter(segment: SharedSegment, send: Optional[np.ndarray], out: np.ndarray,
+                   root: int, frame: Frame, deadline: float) -> None:
+    """Scatter from ``root``: the root copies the L pieces in, 1 sync per step, each rank
+    copies its piece out (the root copies L*N, each rank N)."""
+    _exchange_pieces(segment, send, out, frame, deadline, [root], None)
+
+
+def shared_all_to_all(segment: SharedSegment, send: np.ndarray, out: np.ndarray, frame: Frame,
+                      deadline: float) -> None:
+    """All-to-all: each rank copies its L pieces in, 1 sync per step, and copies piece
+    ``me`` of every slot out: L*N in and L*N out per rank (N = one piece)."""
+    _exchange_pieces(segment, send, out, frame, deadline, range(segment.size), None)
+
+
+def shared_barrier(segment: SharedSegment, frame: Frame, deadline: float) -> None:
+    """Barrier: one sync (every rank stores its counter and polls the others'); no data."""
+    segment.sync(frame, deadline)
