@@ -23,23 +23,6 @@ from .options import BenchOptions, UsageError
 from .report import Reporter, finish, require_matplotlib
 
 
-@contextlib.contextmanager
-def _transport_setting(name: Optional[str]):
-    """GPUCOLL_TRANSPORT=name while a communicator is made (its ``init`` reads the setting)."""
-    if name is None:
-        yield
-        return
-    saved = os.environ.get("GPUCOLL_TRANSPORT")
-    os.environ["GPUCOLL_TRANSPORT"] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("GPUCOLL_TRANSPORT", None)
-        else:
-            os.environ["GPUCOLL_TRANSPORT"] = saved
-
-
 def open_communicators(opts: BenchOptions, **init_args) -> List[Tuple[Optional[str], Any]]:
     """[(transport, Communicator)]: one per ``opts.transports``, or [(None, the default one)]."""
     import gpucoll
@@ -47,8 +30,8 @@ def open_communicators(opts: BenchOptions, **init_args) -> List[Tuple[Optional[s
     comms: List[Tuple[Optional[str], Any]] = []
     try:
         for name in (opts.transports or [None]):
-            with _transport_setting(name):
-                comm = gpucoll.init(backend=opts.backend, timeout=opts.timeout, **init_args)
+            extra = {} if name is None else {"transport": name}
+            comm = gpucoll.init(backend=opts.backend, timeout=opts.timeout, **init_args, **extra)
             comms.append((name, comm))
             if name is not None and comm.backend != "cpu":
                 raise UsageError(f"--transport applies to the cpu backend, not {comm.backend}")
