@@ -200,10 +200,12 @@ def rank_dies_mid_collective(comm):
     return error, elapsed, after
 
 
+@pytest.mark.parametrize("transport", ["socket", "shm"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_dead_rank_raises_on_every_survivor(world_size):
+def test_dead_rank_raises_on_every_survivor(world_size, transport):
     survivors = [r for r in range(world_size) if r != 1]
-    results = run_ranks(rank_dies_mid_collective, world_size, env={"GPUCOLL_TIMEOUT": "20"},
+    results = run_ranks(rank_dies_mid_collective, world_size,
+                        env={"GPUCOLL_TIMEOUT": "20", "GPUCOLL_TRANSPORT": transport},
                         timeout=60, ranks=survivors)
     for r, outcome in zip(survivors, results):
         assert outcome is not None, f"rank {r} completed all_reduce with a dead peer"
