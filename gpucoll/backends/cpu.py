@@ -56,6 +56,17 @@ _SHARED = {
     "all_to_all": shared_algorithms.shared_all_to_all,
 }
 _OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp, 1)}
+_ALL_REDUCE_CODE = OP_CODES["all_reduce"]
+_COMBINERS: Dict[tuple, Callable] = {}
+
+
+def _combiner(op: ReduceOp, dtype) -> Callable:
+    """``combine_fn(op, dtype)``, memoized (the small-message path calls it every time)."""
+    key = (op, dtype)
+    fn = _COMBINERS.get(key)
+    if fn is None:
+        fn = _COMBINERS[key] = combine_fn(op, dtype)
+    return fn
 
 
 def _flat(array: np.ndarray) -> np.ndarray:
@@ -200,18 +211,23 @@ class CPUCommunicator(Communicator):
             self._check_alive()
             return body(time.monotonic() + limit)
         except GpucollError as exc:
-            if isinstance(exc, CommAbortedError):
-                raise
-            if self._aborted is not None and not isinstance(exc, CollectiveMismatchError):
-                raise CommAbortedError(
-                    f"rank {self.rank}: {name} #{seq} failed because the communicator was "
-                    f"aborted ({self._aborted})") from exc
-            if isinstance(exc, CommTimeoutError):
-                exc.add_limit(limit)
-            self._abort_with(str(exc))
-            raise self._explain(exc)
+            self._fail(name, seq, exc, limit)
         finally:
             self._order.release(entry)
+
+    def _fail(self, name: str, seq: int, exc: GpucollError, limit: float) -> None:
+        """Raise what a failed op should raise, aborting the communicator (a dead peer, a
+        timeout or a mismatch leaves it unusable)."""
+        if isinstance(exc, CommAbortedError):
+            raise exc
+        if self._aborted is not None and not isinstance(exc, CollectiveMismatchError):
+            raise CommAbortedError(
+                f"rank {self.rank}: {name} #{seq} failed because the communicator was "
+                f"aborted ({self._aborted})") from exc
+        if isinstance(exc, CommTimeoutError):
+            exc.add_limit(limit)
+        self._abort_with(str(exc))
+        raise self._explain(exc)
 
     def _explain(self, exc: GpucollError) -> GpucollError:
         """Add what a dead or failing peer left in the store about why it stopped."""
@@ -331,9 +347,34 @@ class CPUCommunicator(Communicator):
         return self._submit(name, seq, self._order.all_channels, body, async_op)
 
     def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        if (self._all_shared and not async_op and type(x) is np.ndarray
+                and x.nbytes <= shared_algorithms.SMALL_BYTES and not self._debug
+                and (out is None or type(out) is np.ndarray) and self._order.idle()):
+            return self._small_all_reduce(x, op, out)
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else src
         return self._collective("all_reduce", src, dst, op=op, in_place=True, async_op=async_op)
+
+    def _small_all_reduce(self, x: np.ndarray, op: ReduceOp, out: Optional[np.ndarray]):
+        """The common case without the general machinery: a blocking all-reduce of a small
+        host array on one host, nothing else pending on this communicator (so no queue to
+        wait in). Same checks, results and errors as the general path."""
+        seq = self._next_seq()
+        self._check_alive()
+        result = x if out is None else out
+        if out is not None:
+            np.copyto(out, x)
+        segment, flat = self._shared, result.reshape(-1)
+        frame = Frame("all_reduce", seq, wire_code(x.dtype))
+        segment.expect((_ALL_REDUCE_CODE, frame.dtype, x.nbytes, -1, _OP_NUMBERS[op]))
+        try:
+            shared_algorithms.shared_all_reduce(segment, flat, _combiner(op, x.dtype), frame,
+                                                time.monotonic() + self.timeout)
+        except GpucollError as exc:
+            self._fail("all_reduce", seq, exc, self.timeout)
+        if op is ReduceOp.AVG:
+            finish_avg(flat, self.size)
+        return result
 
     def _broadcast(self, x, root: int, async_op: bool, stream=None):
         buf = Staged(x, stream)

@@ -3,7 +3,8 @@
 Layout of a segment (``L`` local ranks, ``S`` slot bytes)::
 
     control   L lines of 16 int64 (128 B each): arrival counter, aborted flag, pid,
-              two op headers (op, dtype, bytes, root, reduce op, seq), by op parity
+              two op headers by op parity, 3 words each: (op | dtype << 8 | reduce op
+              << 16 | (root + 1) << 24), bytes, sequence number
     data      2 buffer sets x L slots of S bytes (set b = step % 2)
 
 A *step* is: write into my slot of the current set, :meth:`SharedSegment.sync` (every local
@@ -50,9 +51,9 @@ __all__ = ["SharedSegment", "open_local_segment", "job_prefix", "sweep_job", "us
 SHM_DIR = "/dev/shm"
 _LINE = 16  # int64 per control line
 _COUNTER, _ABORTED, _PID, _HEADER = 0, 1, 2, 3
-_HEADER_FIELDS = 6
-_SPIN = 200          # busy polls before yielding
-_YIELD_SECONDS = 2e-3  # then sched_yield for this long, then sleep
+_HEADER_FIELDS = 3
+_SPIN_SECONDS = 50e-6  # busy polls for this long,
+_YIELD_SECONDS = 2e-3  # then sched_yield until this long, then sleep
 _SLEEP = 50e-6
 _CHECK_EVERY = 0.02  # seconds between deadline / liveness checks
 
@@ -151,6 +152,10 @@ class SharedSegment:
         self._counters = self._ctrl[:, _COUNTER]
         self._data = np.ndarray((2, self.size, slot_bytes), np.uint8, buffer=buffer, offset=control)
         self._mine = self._ctrl[index]
+        self._slots = [[self._data[b, q] for q in range(self.size)] for b in (0, 1)]
+        self._words = memoryview(buffer)[:control].cast("q")  # fast scalar reads and writes
+        self._counter_index = [i * _LINE + _COUNTER for i in range(self.size)]
+        self._my_counter = index * _LINE + _COUNTER
         self._mine[_PID] = os.getpid()
         self._epoch = 0
         self._ops = 0
@@ -162,7 +167,7 @@ class SharedSegment:
     # ------------------------------------------------------------------ buffers
     def slot(self, local: int) -> np.ndarray:
         """Slot of local rank ``local`` in the current buffer set (uint8, ``slot_bytes``)."""
-        return self._data[self._step & 1, local]
+        return self._slots[self._step & 1][local]
 
     def next_step(self) -> None:
         """Move to the other buffer set (call after the reads of a step)."""
@@ -191,30 +196,41 @@ class SharedSegment:
                             rank=self.rank, op=frame.op, seq=frame.seq)
         parity = self._ops & 1
         header, self._pending = self._pending, None
+        words = self._words
         if header is not None:
-            start = _HEADER + parity * _HEADER_FIELDS
-            self._mine[start:start + _HEADER_FIELDS - 1] = header
-            self._mine[start + _HEADER_FIELDS - 1] = frame.seq
+            op, dtype, nbytes, root, reduce_op = header
+            start = self.index * _LINE + _HEADER + parity * _HEADER_FIELDS
+            words[start] = op | dtype << 8 | reduce_op << 16 | (root + 1) << 24
+            words[start + 1] = nbytes
+            words[start + 2] = frame.seq
         self._epoch += 1
         epoch = self._epoch
-        self._mine[_COUNTER] = epoch
-        if self._counters.min() < epoch:
-            self._wait(epoch, frame, deadline)
+        words[self._my_counter] = epoch
+        for i in self._counter_index:
+            if words[i] < epoch:
+                self._wait(epoch, frame, deadline)
+                break
         if header is not None:
             self._ops += 1
             self._check_headers(parity, frame)
 
     def _wait(self, epoch: int, frame, deadline: float) -> None:
-        counters = self._counters
-        for _ in range(_SPIN):
-            if counters.min() >= epoch:
-                return
-        start = time.monotonic()
+        words, lines = self._words, self._counter_index
+        monotonic = time.monotonic
+        start = monotonic()
+        spin_until, yield_until = start + _SPIN_SECONDS, start + _YIELD_SECONDS
         next_check = start + _CHECK_EVERY
-        sched_yield, sleep, monotonic = os.sched_yield, time.sleep, time.monotonic
-        while counters.min() < epoch:
+        sched_yield, sleep = os.sched_yield, time.sleep
+        pending = [i for i in lines if words[i] < epoch]
+        while pending:
+            for _ in range(64):
+                pending = [i for i in pending if words[i] < epoch]
+                if not pending:
+                    return
             now = monotonic()
-            if now - start < _YIELD_SECONDS:
+            if now < spin_until:
+                continue
+            if now < yield_until:
                 sched_yield()
             else:
                 sleep(_SLEEP)
@@ -245,21 +261,26 @@ class SharedSegment:
 
     def _check_headers(self, parity: int, frame) -> None:
         start = _HEADER + parity * _HEADER_FIELDS
-        headers = self._ctrl[:, start:start + _HEADER_FIELDS]
-        if (headers == headers[self.index]).all():
+        words = self._words
+        mine = self.index * _LINE + start
+        kind, nbytes, seq = words[mine], words[mine + 1], words[mine + 2]
+        odd = [i for i in range(self.size) if (words[i * _LINE + start], words[i * _LINE + start + 1],
+                                               words[i * _LINE + start + 2]) != (kind, nbytes, seq)]
+        if not odd:
             return
         from .base import OP_NAMES
 
-        def describe(row) -> str:
-            op, dtype, nbytes, root, _, seq = (int(v) for v in row)
+        def describe(i: int) -> str:
+            base = i * _LINE + start
+            kind, nbytes, seq = words[base], words[base + 1], words[base + 2]
+            op, dtype, root = kind & 0xFF, (kind >> 8) & 0xFF, (kind >> 24) - 1
             text = f"{OP_NAMES.get(op, op)} #{seq} ({nbytes} bytes, dtype code {dtype}"
             return text + (f", root {root})" if root >= 0 else ")")
 
-        odd = [i for i in range(self.size) if not (headers[i] == headers[self.index]).all()]
-        others = "; ".join(f"rank {self.ranks[i]} called {describe(headers[i])}" for i in odd)
+        others = "; ".join(f"rank {self.ranks[i]} called {describe(i)}" for i in odd)
         raise CollectiveMismatchError(
             f"rank {self.rank}: collective mismatch in {frame.op} #{frame.seq}: this rank called "
-            f"{describe(headers[self.index])}, but {others}", rank=self.rank,
+            f"{describe(self.index)}, but {others}", rank=self.rank,
             peer=self.ranks[odd[0]], op=frame.op, seq=frame.seq)
 
     # ------------------------------------------------------------------ lifetime
@@ -273,7 +294,8 @@ class SharedSegment:
 
     def close(self) -> None:
         self.closed = True
-        self._ctrl = self._counters = self._data = self._mine = None  # drop views first
+        self._ctrl = self._counters = self._data = self._mine = self._slots = None  # views first
+        self._words.release()
         try:
             self._mmap.close()
         except BufferError:  # a view escaped; the mapping goes with the process
