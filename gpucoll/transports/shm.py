@@ -3,6 +3,7 @@
 Layout of a segment (``L`` local ranks, ``S`` slot bytes)::
 
     control   L lines of 16 int64 (128 B each): arrival counter, aborted flag, pid,
+              the local rank this one sleeps on (+1; 0: none),
               two op headers by op parity, 3 words each: (op | dtype << 8 | reduce op
               << 16 | (root + 1) << 24), bytes, sequence number
     data      2 buffer sets x L slots of S bytes (set b = step % 2)
@@ -16,7 +17,8 @@ The first sync of every op also publishes a header; every rank compares all head
 ranks that called different collectives, dtypes, sizes or roots raise
 ``CollectiveMismatchError`` on every rank instead of reading the wrong bytes.
 
-Waiting spins briefly, then yields the CPU, then sleeps (oversubscribed hosts progress), and
+Waiting spins briefly, then yields the CPU, then blocks in a futex wait on the missing rank's
+counter, which that rank wakes when it arrives (so oversubscribed hosts progress), and
 checks the deadline, the peers' aborted flags and whether a peer's socket hung up (a rank
 that died), naming the rank. Stores then counter stores are seen in that order by other cores
 on x86-64 (TSO), which the flag protocol relies on; other machines use sockets (see
@@ -30,6 +32,7 @@ left in ``/dev/shm``, whatever happens to the processes.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import glob
 import hashlib
@@ -50,11 +53,32 @@ __all__ = ["SharedSegment", "open_local_segment", "job_prefix", "sweep_job", "us
 
 SHM_DIR = "/dev/shm"
 _LINE = 16  # int64 per control line
-_COUNTER, _ABORTED, _PID, _HEADER = 0, 1, 2, 3
+_COUNTER, _ABORTED, _PID, _SLEEPING, _HEADER = 0, 1, 2, 3, 4
 _HEADER_FIELDS = 3
-_SPIN_SECONDS = 50e-6  # busy polls for this long,
-_YIELD_SECONDS = 2e-3  # then sched_yield until this long, then sleep
-_SLEEP = 50e-6
+_SPIN_SECONDS = 30e-6   # busy polls for this long,
+_YIELD_SECONDS = 2e-3    # then sched_yield until this long, then block in futex waits;
+_YIELD_OVERSUBSCRIBED = 100e-6  # shorter when there are more local ranks than cores
+_SLEEP = 50e-6           # (or, without futex, sleep this long per round)
+_FUTEX_TIMEOUT_NS = 500_000  # a missed wake costs at most this
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the word lives in a shared mapping
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_call():
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    return call
+
+
+_FUTEX = _futex_call()
+_WAIT_TIMEOUT = _Timespec(0, _FUTEX_TIMEOUT_NS)
 _CHECK_EVERY = 0.02  # seconds between deadline / liveness checks
 
 
@@ -156,6 +180,14 @@ class SharedSegment:
         self._words = memoryview(buffer)[:control].cast("q")  # fast scalar reads and writes
         self._counter_index = [i * _LINE + _COUNTER for i in range(self.size)]
         self._my_counter = index * _LINE + _COUNTER
+        self._sleeping_index = [i * _LINE + _SLEEPING for i in range(self.size)]
+        self._my_sleeping = index * _LINE + _SLEEPING
+        self._address = self._ctrl.ctypes.data  # futex words: the counters' low halves
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        self._yield_seconds = _YIELD_OVERSUBSCRIBED if self.size > cores else _YIELD_SECONDS
         self._mine[_PID] = os.getpid()
         self._epoch = 0
         self._ops = 0
@@ -206,6 +238,12 @@ class SharedSegment:
         self._epoch += 1
         epoch = self._epoch
         words[self._my_counter] = epoch
+        mark = self.index + 1
+        for i in self._sleeping_index:
+            if words[i] == mark:  # someone blocks on my counter: wake them all
+                _FUTEX(_SYS_FUTEX, ctypes.c_void_p(self._address + self._my_counter * 8),
+                       _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+                break
         for i in self._counter_index:
             if words[i] < epoch:
                 self._wait(epoch, frame, deadline)
@@ -218,25 +256,36 @@ class SharedSegment:
         words, lines = self._words, self._counter_index
         monotonic = time.monotonic
         start = monotonic()
-        spin_until, yield_until = start + _SPIN_SECONDS, start + _YIELD_SECONDS
+        spin_until, yield_until = start + _SPIN_SECONDS, start + self._yield_seconds
         next_check = start + _CHECK_EVERY
-        sched_yield, sleep = os.sched_yield, time.sleep
         pending = [i for i in lines if words[i] < epoch]
         while pending:
-            for _ in range(64):
+            for _ in range(32):
                 pending = [i for i in pending if words[i] < epoch]
                 if not pending:
                     return
             now = monotonic()
-            if now < spin_until:
-                continue
-            if now < yield_until:
-                sched_yield()
-            else:
-                sleep(_SLEEP)
             if now >= next_check:
                 self._check_peers(epoch, frame, deadline, now)
                 next_check = now + _CHECK_EVERY
+            if now < spin_until:
+                continue
+            if now < yield_until:
+                os.sched_yield()
+            elif _FUTEX is not None:
+                self._block_on(pending[0], epoch)
+            else:
+                time.sleep(_SLEEP)
+
+    def _block_on(self, line: int, epoch: int) -> None:
+        """Sleep until the rank whose counter is at word ``line`` arrives (or a timeout)."""
+        words = self._words
+        words[self._my_sleeping] = line // _LINE + 1
+        try:
+            _FUTEX(_SYS_FUTEX, ctypes.c_void_p(self._address + line * 8), _FUTEX_WAIT,
+                   (epoch - 1) & 0xFFFFFFFF, ctypes.byref(_WAIT_TIMEOUT), None, 0)
+        finally:
+            words[self._my_sleeping] = 0
 
     def _check_peers(self, epoch: int, frame, deadline: float, now: float) -> None:
         if self.closed:
