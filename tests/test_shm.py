@@ -157,3 +157,46 @@ def test_dead_peer_is_named_by_a_rank_waiting_in_shared_memory():
                         timeout=60, ranks=[0, 2])
     for peer, message in results:
         assert peer == 1 and "peer 1" in message and "barrier #" in message, message
+
+
+def test_launcher_sweeps_what_a_job_left_in_dev_shm(tmp_path):
+    from gpucoll.transports import shm
+
+    token = "shm-sweep-test-" + os.urandom(4).hex()
+    leftover = os.path.join(shm.SHM_DIR, shm.job_prefix(token) + "deadbeef")
+    other = os.path.join(shm.SHM_DIR, shm.job_prefix(token + "-other") + "deadbeef")
+    for path in (leftover, other):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        script = tmp_path / "ok.py"
+        script.write_text("print('done')\n")
+        env = dict(os.environ, GPUCOLL_AUTH_TOKEN=token,
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        done = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "1", str(script)],
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert not os.path.exists(leftover)  # this job's leftovers are swept
+        assert os.path.exists(other)  # another job's segment is not touched
+    finally:
+        for path in (leftover, other):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def rank_cupy_staged(comm):
+    import cupy
+
+    x = cupy.full(1000, comm.rank + 1.0, dtype=cupy.float32)
+    comm.all_reduce(x)
+    b = cupy.arange(10, dtype=cupy.int64) * (comm.rank == 0)
+    comm.broadcast(b, root=0)
+    return comm.transport_kinds, cupy.asnumpy(x).tolist(), cupy.asnumpy(b).tolist()
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_staged_through_shared_memory():
+    results = run_ranks(rank_cupy_staged, 2, env={"GPUCOLL_TRANSPORT": "shm"}, timeout=90)
+    for kinds, x, b in results:
+        assert set(kinds.values()) == {"shm"}
+        assert x == [3.0] * 1000 and b == list(range(10))

@@ -55,7 +55,7 @@ def relaunch_under_mpirun(bench_args: Sequence[str], nranks: int) -> int:
     """Run ``gpucoll bench <bench_args>`` as ``nranks`` MPI ranks on this host; its exit code.
 
     ``-g`` is dropped (mpirun's ``-n`` sets the world size); ranks rendezvous on a free
-    loopback port and may oversubscribe the cores (as the spawned ranks do).
+    loopback port; with more ranks than cores mpirun gets ``--oversubscribe``.
     """
     args, skip = [], False
     for word in bench_args:
@@ -68,8 +68,10 @@ def relaunch_under_mpirun(bench_args: Sequence[str], nranks: int) -> int:
         if word.startswith("--nprocs=") or (word.startswith("-g") and word[2:].isdigit()):
             continue
         args.append(word)
-    command = [_mpirun(), "-n", str(nranks), *MPIRUN_OPTIONS, "--oversubscribe",
+    command = [_mpirun(), "-n", str(nranks), *MPIRUN_OPTIONS,
                "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={_free_port()}"]
+    if nranks > (os.cpu_count() or 1):  # Open MPI then also yields while it waits
+        command.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--allow-run-as-root")
     path = os.environ.get("PYTHONPATH")
