@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import math
+
 import numpy as np
 
 from ..transports.base import Frame
@@ -30,15 +32,28 @@ Combine = Callable[[np.ndarray, np.ndarray], None]
 # Up to this size every rank reduces the whole message itself (one sync); above it each rank
 # reduces a 1/L slice and everyone copies the slices out (two syncs, 1/L of the arithmetic).
 SMALL_BYTES = 64 << 10
+# Pipelining: a sync costs about as much as copying this many bytes (5 us at 15 GB/s).
+PIPELINE_BYTES = 75_000
+MIN_STEP_BYTES = 64 << 10
 
 
 def _raw(array: Optional[np.ndarray]) -> Optional[np.ndarray]:
     return None if array is None else array.view(np.uint8)
 
 
-def _step_bytes(segment: SharedSegment, itemsize: int, parts: int = 1) -> int:
-    """Bytes per step and part: ``parts`` of them fill a slot, each a whole number of items."""
-    return max(segment.slot_bytes // (parts * itemsize) * itemsize, itemsize)
+def _step_bytes(segment: SharedSegment, itemsize: int, parts: int = 1, message: int = 0) -> int:
+    """Bytes per step and part: ``parts`` of them fit a slot, each a whole number of items.
+
+    Steps pipeline (a writer fills one buffer set while readers empty the other), so a
+    ``message`` of N bytes goes in steps of about sqrt(N * PIPELINE_BYTES) (the size that
+    balances the steps' sync cost against the first step's unoverlapped copy), at least
+    MIN_STEP_BYTES and at most what fits.
+    """
+    fits = max(segment.slot_bytes // (parts * itemsize) * itemsize, itemsize)
+    if not message:
+        return fits
+    want = max(math.isqrt(message * PIPELINE_BYTES), MIN_STEP_BYTES) // parts
+    return max(min(fits, want // itemsize * itemsize), itemsize)
 
 
 def _steps(total: int, step: int):
@@ -74,7 +89,7 @@ def shared_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine,
         _reduce_into(buf, [segment.slot(q)[:total].view(dtype) for q in range(size)], combine)
         segment.next_step()
         return
-    for offset, nbytes in _steps(total, _step_bytes(segment, item * size)):
+    for offset, nbytes in _steps(total, _step_bytes(segment, item * size, 1, total)):
         np.copyto(segment.slot(me)[:nbytes], raw[offset:offset + nbytes])
         segment.sync(frame, deadline)
         count = nbytes // item
@@ -110,7 +125,7 @@ def shared_reduce(segment: SharedSegment, send: np.ndarray, out: Optional[np.nda
         segment.next_step()
         return
     result = _raw(out)
-    for offset, nbytes in _steps(total, _step_bytes(segment, item * size)):
+    for offset, nbytes in _steps(total, _step_bytes(segment, item * size, 1, total)):
         np.copyto(segment.slot(me)[:nbytes], raw[offset:offset + nbytes])
         segment.sync(frame, deadline)
         count = nbytes // item
@@ -133,7 +148,7 @@ def shared_broadcast(segment: SharedSegment, buf: np.ndarray, root: int, frame: 
     """Broadcast ``buf`` from ``root``: per step the root copies in, 1 sync, the others copy
     out in parallel. The root copies N, every other rank N."""
     me, raw = segment.index, _raw(buf)
-    for offset, nbytes in _steps(buf.nbytes, _step_bytes(segment, buf.itemsize)):
+    for offset, nbytes in _steps(buf.nbytes, _step_bytes(segment, buf.itemsize, 1, buf.nbytes)):
         if me == root:
             np.copyto(segment.slot(root)[:nbytes], raw[offset:offset + nbytes])
         segment.sync(frame, deadline)
@@ -146,7 +161,7 @@ def _gather_into(segment: SharedSegment, send: np.ndarray, out: Optional[np.ndar
                  frame: Frame, deadline: float) -> None:
     size, me, raw, piece = segment.size, segment.index, _raw(send), send.nbytes
     result = _raw(out)
-    for offset, nbytes in _steps(piece, _step_bytes(segment, send.itemsize)):
+    for offset, nbytes in _steps(piece, _step_bytes(segment, send.itemsize, 1, piece * size)):
         np.copyto(segment.slot(me)[:nbytes], raw[offset:offset + nbytes])
         segment.sync(frame, deadline)
         if result is not None:
@@ -178,7 +193,7 @@ def _exchange_pieces(segment: SharedSegment, send: Optional[np.ndarray], out: np
     size, me, dtype = segment.size, segment.index, out.dtype
     piece = out.nbytes if reduce is not None or len(writers) == 1 else out.nbytes // size
     raw, result = _raw(send), _raw(out)
-    step = _step_bytes(segment, out.itemsize, size)
+    step = _step_bytes(segment, out.itemsize, size, piece * size)
     for offset, nbytes in _steps(piece, step):
         if me in writers:
             slot = segment.slot(me)

@@ -55,9 +55,11 @@ SHM_DIR = "/dev/shm"
 _LINE = 16  # int64 per control line
 _COUNTER, _ABORTED, _PID, _SLEEPING, _HEADER = 0, 1, 2, 3, 4
 _HEADER_FIELDS = 3
-_SPIN_SECONDS = 30e-6   # busy polls for this long,
-_YIELD_SECONDS = 2e-3    # then sched_yield until this long, then block in futex waits;
-_YIELD_OVERSUBSCRIBED = 100e-6  # shorter when there are more local ranks than cores
+# Waiting: busy polls for a while, then sched_yield, then futex waits. A rank per core polls
+# long (yielding hands the core to any other process for a whole time slice); with more
+# local ranks than cores, polling steals the core the late rank needs, so it blocks soon.
+_SPIN_SECONDS, _YIELD_SECONDS = 200e-6, 1e-3
+_SPIN_OVERSUBSCRIBED, _YIELD_OVERSUBSCRIBED = 20e-6, 100e-6
 _SLEEP = 50e-6           # (or, without futex, sleep this long per round)
 _FUTEX_TIMEOUT_NS = 500_000  # a missed wake costs at most this
 _SYS_FUTEX = 202  # x86-64
@@ -187,7 +189,9 @@ class SharedSegment:
             cores = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             cores = os.cpu_count() or 1
-        self._yield_seconds = _YIELD_OVERSUBSCRIBED if self.size > cores else _YIELD_SECONDS
+        crowded = self.size > cores
+        self._spin_seconds = _SPIN_OVERSUBSCRIBED if crowded else _SPIN_SECONDS
+        self._yield_seconds = _YIELD_OVERSUBSCRIBED if crowded else _YIELD_SECONDS
         self._mine[_PID] = os.getpid()
         self._epoch = 0
         self._ops = 0
@@ -256,7 +260,7 @@ class SharedSegment:
         words, lines = self._words, self._counter_index
         monotonic = time.monotonic
         start = monotonic()
-        spin_until, yield_until = start + _SPIN_SECONDS, start + self._yield_seconds
+        spin_until, yield_until = start + self._spin_seconds, start + self._yield_seconds
         next_check = start + _CHECK_EVERY
         pending = [i for i in lines if words[i] < epoch]
         while pending:
