@@ -77,9 +77,10 @@ def shared_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine,
     """All-reduce ``buf`` in place through shared memory.
 
     Small (``N <= SMALL_BYTES``): copy in, 1 sync, every rank reduces all L slots into
-    ``buf``: copies N in, reads L*N. Large, per step of up to S bytes: copy in, sync, reduce
-    my 1/L slice of every slot into my slot, sync, copy the L reduced slices out: copies
-    2N, reads and combines (L-1)*N/L, 2 syncs per step.
+    ``buf``: copies N in, reads L*N. Large, per step of up to S bytes: copy in the slices
+    the others reduce, sync, reduce the others' copies of my slice into ``buf`` where it
+    lies, publish it, sync, copy the others' reduced slices out: copies 2N (L-1)/L + N/L,
+    combines (L-1)*N/L, 2 syncs per step.
     """
     size, me, item, dtype = segment.size, segment.index, buf.itemsize, buf.dtype
     raw, total = _raw(buf), buf.nbytes
@@ -90,19 +91,23 @@ def shared_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine,
         segment.next_step()
         return
     for offset, nbytes in _steps(total, _step_bytes(segment, item * size, 1, total)):
-        np.copyto(segment.slot(me)[:nbytes], raw[offset:offset + nbytes])
-        segment.sync(frame, deadline)
         count = nbytes // item
         bounds = [part * count // size * item for part in range(size + 1)]
         lo, hi = bounds[me], bounds[me + 1]
-        mine = segment.slot(me)[lo:hi].view(dtype)
+        slot = segment.slot(me)
+        np.copyto(slot[:lo], raw[offset:offset + lo])  # the others' slices of my input
+        np.copyto(slot[hi:nbytes], raw[offset + hi:offset + nbytes])
+        segment.sync(frame, deadline)
+        mine = raw[offset + lo:offset + hi].view(dtype)  # my slice, reduced where it lies
         for q in range(size):
             if q != me:
                 combine(mine, segment.slot(q)[lo:hi].view(dtype))
+        np.copyto(slot[lo:hi], raw[offset + lo:offset + hi])
         segment.sync(frame, deadline)
         for q in range(size):
-            lo, hi = bounds[q], bounds[q + 1]
-            np.copyto(raw[offset + lo:offset + hi], segment.slot(q)[lo:hi])
+            if q != me:
+                np.copyto(raw[offset + bounds[q]:offset + bounds[q + 1]],
+                          segment.slot(q)[bounds[q]:bounds[q + 1]])
         segment.next_step()
 
 
