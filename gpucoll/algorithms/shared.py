@@ -82,14 +82,21 @@ def shared_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine,
     lies, publish it, sync, copy the others' reduced slices out: copies 2N (L-1)/L + N/L,
     combines (L-1)*N/L, 2 syncs per step.
     """
-    size, me, item, dtype = segment.size, segment.index, buf.itemsize, buf.dtype
-    raw, total = _raw(buf), buf.nbytes
+    size, me, dtype, total = segment.size, segment.index, buf.dtype, buf.nbytes
     if total <= SMALL_BYTES:
-        np.copyto(segment.slot(me)[:total], raw)
+        views = segment.views(total, dtype)
+        np.copyto(views[me], buf)
         segment.sync(frame, deadline)
-        _reduce_into(buf, [segment.slot(q)[:total].view(dtype) for q in range(size)], combine)
+        ufunc = getattr(combine, "ufunc", None)
+        if ufunc is not None:  # the first two straight into buf (no copy)
+            ufunc(views[0], views[1], out=buf)
+            for view in views[2:]:
+                combine(buf, view)
+        else:
+            _reduce_into(buf, views, combine)
         segment.next_step()
         return
+    raw, item = _raw(buf), buf.itemsize
     for offset, nbytes in _steps(total, _step_bytes(segment, item * size, 1, total)):
         count = nbytes // item
         bounds = [part * count // size * item for part in range(size + 1)]

@@ -179,6 +179,7 @@ class SharedSegment:
         self._data = np.ndarray((2, self.size, slot_bytes), np.uint8, buffer=buffer, offset=control)
         self._mine = self._ctrl[index]
         self._slots = [[self._data[b, q] for q in range(self.size)] for b in (0, 1)]
+        self._views: dict = {}
         self._words = memoryview(buffer)[:control].cast("q")  # fast scalar reads and writes
         self._counter_index = [i * _LINE + _COUNTER for i in range(self.size)]
         self._my_counter = index * _LINE + _COUNTER
@@ -204,6 +205,18 @@ class SharedSegment:
     def slot(self, local: int) -> np.ndarray:
         """Slot of local rank ``local`` in the current buffer set (uint8, ``slot_bytes``)."""
         return self._slots[self._step & 1][local]
+
+    def views(self, nbytes: int, dtype) -> List[np.ndarray]:
+        """The first ``nbytes`` of every slot of the current set as ``dtype`` arrays
+        (memoized: the small-message path asks for the same views again and again)."""
+        key = (self._step & 1, nbytes, dtype)
+        found = self._views.get(key)
+        if found is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            found = self._views[key] = [slot[:nbytes].view(dtype)
+                                        for slot in self._slots[self._step & 1]]
+        return found
 
     def next_step(self) -> None:
         """Move to the other buffer set (call after the reads of a step)."""
@@ -348,6 +361,7 @@ class SharedSegment:
     def close(self) -> None:
         self.closed = True
         self._ctrl = self._counters = self._data = self._mine = self._slots = None  # views first
+        self._views = {}
         self._words.release()
         try:
             self._mmap.close()
