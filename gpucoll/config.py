@@ -114,6 +114,10 @@ _GPUCOLL = [
     Setting("GPUCOLL_SHM_BYTES", _parse_bytes, 2 << 20,
             "Shared-memory slot per rank (twice: two buffer sets); a host's segment in "
             "/dev/shm holds 4 x this x its ranks. Larger messages go in slot-sized steps."),
+    Setting("GPUCOLL_SHM_SINGLE_COPY", _parse_bool, True,
+            "Large shared-memory collectives read peers' arrays directly (Linux "
+            "process_vm_readv, one copy instead of two) when every local rank can; 0 keeps "
+            "every byte in the shared segment."),
     Setting("GPUCOLL_HOST_ID", str, "",
             "Override this rank's host id (which ranks share a host, hence shared memory and "
             "node-aware collectives); for tests that pretend to be several hosts."),

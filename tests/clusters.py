@@ -10,7 +10,8 @@ Clusters (``CLUSTERS``; ids as in ``pytest -k``):
 - ``cpu-unix`` / ``cpu-tcp``: real processes (``mp_harness.RankPool``), the CPU backend over
   Unix or TCP sockets, NumPy arrays.
 - ``cpu-shm``: the same over shared memory, with 64 KiB slots so that the multi-chunk sizes
-  take many slot-sized steps (and the sliced all-reduce).
+  take many slot-sized steps (and the sliced all-reduce), large messages read straight from
+  the peers' arrays (single copy); ``cpu-shmcopy`` keeps every byte in the segment.
 - ``nccl-emulated``: ranks are threads, the real NCCL backend over ``tests/emulated_cuda``
   (gpucoll's bookkeeping, not NCCL's numerics).
 - ``nccl-gpu``: the real NCCL backend on a real GPU with CuPy (one rank per GPU; skipped
@@ -163,7 +164,7 @@ class ThreadCluster(ProcessCluster):
 
 
 CLUSTERS = [("cpu-unix", n) for n in (1, 2, 3, 4)] + [("cpu-tcp", n) for n in (2, 3)] + \
-           [("cpu-shm", n) for n in (2, 3, 4)] + \
+           [("cpu-shm", n) for n in (2, 3, 4)] + [("cpu-shmcopy", n) for n in (2, 3)] + \
            [("nccl-emulated", n) for n in (1, 2, 3)] + [("nccl-gpu", 1)]
 
 
@@ -179,9 +180,11 @@ def make_cluster(name: str, world_size: int):
     """Start the cluster ``name`` of ``world_size`` ranks; call ``close()`` when done."""
     if name in ("cpu-unix", "cpu-tcp"):
         return ProcessCluster(name, world_size, "cpu", name.split("-")[1], "numpy")
-    if name == "cpu-shm":
+    if name in ("cpu-shm", "cpu-shmcopy"):
+        single_copy = "1" if name == "cpu-shm" else "0"
         return ProcessCluster(name, world_size, "cpu", "shm", "numpy",
-                              env={"GPUCOLL_SHM_BYTES": "64KiB"})
+                              env={"GPUCOLL_SHM_BYTES": "64KiB",
+                                   "GPUCOLL_SHM_SINGLE_COPY": single_copy})
     if name == "nccl-gpu":
         return ProcessCluster(name, world_size, "nccl", "auto", "cupy")
     from emulated_cuda import Emulation

@@ -10,6 +10,11 @@ Functions take ``(segment, *buffers, [root], [combine], frame, deadline)`` with 
 arrays, in the order of the socket algorithms of the same collective; ranks are local indices
 (on a single-host communicator they equal the communicator's ranks). "Bytes copied" counts
 memory traffic per rank instead of bytes on a wire.
+
+Single copy: where every local rank may read the others' memory (``segment.single_copy``,
+Linux ``process_vm_readv``), large messages skip the segment: each rank lends its array's
+address, syncs, reads what it needs straight from the peers' arrays, and syncs again
+before anyone reuses its array.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ SMALL_BYTES = 64 << 10
 # Pipelining: a sync costs about as much as copying this many bytes (5 us at 15 GB/s).
 PIPELINE_BYTES = 75_000
 MIN_STEP_BYTES = 64 << 10
+# From this size on, broadcast, all-gather, reduce-scatter and all-reduce read the peers'
+# arrays directly when the segment allows it (``segment.single_copy``): one copy, 2-3 syncs.
+SINGLE_COPY_BYTES = 256 << 10
+SCRATCH_BYTES = 256 << 10  # reduce chunk: the peer's bytes land here, then are combined
 
 
 def _raw(array: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -72,6 +81,39 @@ def _reduce_into(dst: np.ndarray, sources, combine: Combine) -> None:
         combine(dst, source)
 
 
+def _reduce_from_peers(segment: SharedSegment, target: np.ndarray, offset: int,
+                       combine: Combine, frame: Frame) -> None:
+    """``target (op)=`` the bytes at ``offset`` of every peer's lent array, chunk by chunk
+    through a cache-sized scratch buffer."""
+    raw, dtype = _raw(target), target.dtype
+    chunk = max(SCRATCH_BYTES // target.itemsize, 1) * target.itemsize
+    scratch = segment.scratch(chunk)
+    for start in range(0, target.nbytes, chunk):
+        stop = min(start + chunk, target.nbytes)
+        part = raw[start:stop].view(dtype)
+        for q in range(segment.size):
+            if q != segment.index:
+                landed = scratch[:stop - start]
+                segment.read_from(q, landed, offset + start, frame)
+                combine(part, landed.view(dtype))
+
+
+def _single_copy_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine,
+                            frame: Frame, deadline: float) -> None:
+    size, me, item = segment.size, segment.index, buf.itemsize
+    raw, count = _raw(buf), buf.size
+    bounds = [part * count // size * item for part in range(size + 1)]
+    segment.lend(buf)
+    segment.sync(frame, deadline)
+    lo, hi = bounds[me], bounds[me + 1]
+    _reduce_from_peers(segment, buf[lo // item:hi // item], lo, combine, frame)
+    segment.sync(frame, deadline)
+    for q in range(size):
+        if q != me:
+            segment.read_from(q, raw[bounds[q]:bounds[q + 1]], bounds[q], frame)
+    segment.sync(frame, deadline)
+
+
 def shared_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine, frame: Frame,
                       deadline: float) -> None:
     """All-reduce ``buf`` in place through shared memory.
@@ -80,7 +122,9 @@ def shared_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine,
     ``buf``: copies N in, reads L*N. Large, per step of up to S bytes: copy in the slices
     the others reduce, sync, reduce the others' copies of my slice into ``buf`` where it
     lies, publish it, sync, copy the others' reduced slices out: copies 2N (L-1)/L + N/L,
-    combines (L-1)*N/L, 2 syncs per step.
+    combines (L-1)*N/L, 2 syncs per step. Single copy (``N >= SINGLE_COPY_BYTES``): sync,
+    reduce my slice in ``buf`` from the peers' arrays, sync, read their reduced slices,
+    sync: reads 2N (L-1)/L, combines (L-1)*N/L, 3 syncs in all.
     """
     size, me, dtype, total = segment.size, segment.index, buf.dtype, buf.nbytes
     if total <= SMALL_BYTES:
@@ -95,6 +139,9 @@ def shared_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine,
         else:
             _reduce_into(buf, views, combine)
         segment.next_step()
+        return
+    if segment.single_copy and total >= SINGLE_COPY_BYTES:
+        _single_copy_all_reduce(segment, buf, combine, frame, deadline)
         return
     raw, item = _raw(buf), buf.itemsize
     for offset, nbytes in _steps(total, _step_bytes(segment, item * size, 1, total)):
@@ -158,8 +205,17 @@ def shared_reduce(segment: SharedSegment, send: np.ndarray, out: Optional[np.nda
 def shared_broadcast(segment: SharedSegment, buf: np.ndarray, root: int, frame: Frame,
                      deadline: float) -> None:
     """Broadcast ``buf`` from ``root``: per step the root copies in, 1 sync, the others copy
-    out in parallel. The root copies N, every other rank N."""
+    out in parallel. The root copies N, every other rank N. Single copy: sync, the others
+    read the root's array in parallel, sync (the root copies nothing)."""
     me, raw = segment.index, _raw(buf)
+    if segment.single_copy and buf.nbytes >= SINGLE_COPY_BYTES:
+        if me == root:
+            segment.lend(buf)
+        segment.sync(frame, deadline)
+        if me != root:
+            segment.read_from(root, raw, 0, frame)
+        segment.sync(frame, deadline)
+        return
     for offset, nbytes in _steps(buf.nbytes, _step_bytes(segment, buf.itemsize, 1, buf.nbytes)):
         if me == root:
             np.copyto(segment.slot(root)[:nbytes], raw[offset:offset + nbytes])
@@ -186,7 +242,21 @@ def _gather_into(segment: SharedSegment, send: np.ndarray, out: Optional[np.ndar
 def shared_all_gather(segment: SharedSegment, send: np.ndarray, out: np.ndarray, frame: Frame,
                       deadline: float) -> None:
     """All-gather: per step each rank copies its piece in, 1 sync, each copies all L pieces
-    out. Copies N in and L*N out per rank (N = one rank's piece)."""
+    out. Copies N in and L*N out per rank (N = one rank's piece). Single copy (L*N >=
+    SINGLE_COPY_BYTES): sync, read the L-1 other pieces from the peers' arrays, sync."""
+    piece = send.nbytes
+    if segment.single_copy and piece * segment.size >= SINGLE_COPY_BYTES:
+        result = _raw(out)
+        segment.lend(send)
+        segment.sync(frame, deadline)
+        for q in range(segment.size):
+            block = result[q * piece:(q + 1) * piece]
+            if q == segment.index:
+                np.copyto(block, _raw(send))
+            else:
+                segment.read_from(q, block, 0, frame)
+        segment.sync(frame, deadline)
+        return
     _gather_into(segment, send, out, frame, deadline)
 
 
@@ -227,7 +297,18 @@ def _exchange_pieces(segment: SharedSegment, send: Optional[np.ndarray], out: np
 def shared_reduce_scatter(segment: SharedSegment, send: np.ndarray, out: np.ndarray,
                           combine: Combine, frame: Frame, deadline: float) -> None:
     """Reduce-scatter: each rank copies its L pieces in, 1 sync per step, each reduces its
-    own piece from every slot straight into ``out``: copies L*N in, reads L*N (N = piece)."""
+    own piece from every slot straight into ``out``: copies L*N in, reads L*N (N = piece).
+    Single copy (L*N >= SINGLE_COPY_BYTES): sync, reduce my piece from the peers' arrays
+    into ``out`` (reads (L-1)*N), sync."""
+    piece = out.nbytes
+    if segment.single_copy and piece * segment.size >= SINGLE_COPY_BYTES:
+        me = segment.index
+        segment.lend(send)
+        segment.sync(frame, deadline)
+        np.copyto(_raw(out), _raw(send)[me * piece:(me + 1) * piece])
+        _reduce_from_peers(segment, out, me * piece, combine, frame)
+        segment.sync(frame, deadline)
+        return
     _exchange_pieces(segment, send, out, frame, deadline, range(segment.size), combine)
 
 

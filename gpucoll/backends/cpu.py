@@ -92,7 +92,8 @@ class CPUCommunicator(Communicator):
                  timeout: float, transport: str = "auto", advertise_host: str = "127.0.0.1",
                  socket_buffer: int = 0, chunk_bytes: int = 256 << 10,
                  ring_threshold: int = 256 << 10, algorithm_override: Optional[dict] = None,
-                 debug: bool = False, shm_bytes: int = 2 << 20, owns_store: bool = True):
+                 debug: bool = False, shm_bytes: int = 2 << 20, shm_single_copy: bool = True,
+                 owns_store: bool = True):
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is out of range for world_size={size}")
         self.rank, self.size, self.timeout = rank, size, float(timeout)
@@ -104,7 +105,8 @@ class CPUCommunicator(Communicator):
         self._settings = dict(transport=transport, advertise_host=advertise_host,
                               socket_buffer=socket_buffer, chunk_bytes=chunk_bytes,
                               ring_threshold=ring_threshold, algorithm_override=algorithm_override,
-                              debug=debug, shm_bytes=shm_bytes)
+                              debug=debug, shm_bytes=shm_bytes,
+                              shm_single_copy=shm_single_copy)
         self._ring_threshold = ring_threshold
         self._override = algorithm_override or {}
         self._debug = debug
@@ -119,7 +121,7 @@ class CPUCommunicator(Communicator):
         self._leaders: List[int] = []
         self._all_shared = False
         if size > 1 and select_transport.shared_memory_mode(transport) != "off":
-            self._open_shared(host_ids, transport, token, shm_bytes, deadline)
+            self._open_shared(host_ids, transport, token, shm_bytes, shm_single_copy, deadline)
         self._order = OpOrder(rank, size)
         self._seq = 0
         self._seq_lock = threading.Lock()
@@ -129,7 +131,7 @@ class CPUCommunicator(Communicator):
         self._closed = False
 
     def _open_shared(self, host_ids: List[str], mode: str, token: str, shm_bytes: int,
-                     deadline: float) -> None:
+                     single_copy: bool, deadline: float) -> None:
         """Map this host's segment (every rank agrees on whether shared memory is used)."""
         try:
             segment, reason = shm.open_local_segment(
@@ -151,6 +153,12 @@ class CPUCommunicator(Communicator):
         self._shared = segment
         if segment is not None:
             segment.liveness = self._transport.hung_up
+            if single_copy:
+                try:
+                    segment.probe_single_copy(Frame("barrier", 0), deadline)
+                except GpucollError:
+                    self._transport.close()
+                    raise
         leaders = sorted({host_ids.index(h) for h in host_ids})
         self._all_shared = segment is not None and segment.size == self.size
         if not self._all_shared and len(leaders) < self.size:

@@ -74,9 +74,8 @@ def relaunch_under_mpirun(bench_args: Sequence[str], nranks: int) -> int:
         command.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--allow-run-as-root")
-    path = os.environ.get("PYTHONPATH")
-    if path:
-        command += ["-x", f"PYTHONPATH={path}"]
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command += ["-x", f"PYTHONPATH={package_root}"]  # the ranks import this same gpucoll
     command += [sys.executable, "-m", "gpucoll", "bench", *args]
     return subprocess.call(command)
 

@@ -3,7 +3,8 @@
 Layout of a segment (``L`` local ranks, ``S`` slot bytes)::
 
     control   L lines of 16 int64 (128 B each): arrival counter, aborted flag, pid,
-              the local rank this one sleeps on (+1; 0: none),
+              the local rank this one sleeps on (+1; 0: none), the address of the array
+              it lends for single-copy reads, whether it can make them,
               two op headers by op parity, 3 words each: (op | dtype << 8 | reduce op
               << 16 | (root + 1) << 24), bytes, sequence number
     data      2 buffer sets x L slots of S bytes (set b = step % 2)
@@ -46,6 +47,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CommTimeoutError, PeerError
+from . import cma
 from ..rendezvous.store import Store
 
 __all__ = ["SharedSegment", "open_local_segment", "job_prefix", "sweep_job", "usable_here",
@@ -53,7 +55,7 @@ __all__ = ["SharedSegment", "open_local_segment", "job_prefix", "sweep_job", "us
 
 SHM_DIR = "/dev/shm"
 _LINE = 16  # int64 per control line
-_COUNTER, _ABORTED, _PID, _SLEEPING, _HEADER = 0, 1, 2, 3, 4
+_COUNTER, _ABORTED, _PID, _SLEEPING, _HEADER, _ADDRESS, _SINGLE_COPY = 0, 1, 2, 3, 4, 10, 11
 _HEADER_FIELDS = 3
 # Waiting: busy polls for a while, then sched_yield, then futex waits. A rank per core polls
 # long (yielding hands the core to any other process for a whole time slice); with more
@@ -180,6 +182,8 @@ class SharedSegment:
         self._mine = self._ctrl[index]
         self._slots = [[self._data[b, q] for q in range(self.size)] for b in (0, 1)]
         self._views: dict = {}
+        self._scratch = np.empty(0, np.uint8)
+        self.single_copy = False  # set by probe_single_copy
         self._words = memoryview(buffer)[:control].cast("q")  # fast scalar reads and writes
         self._counter_index = [i * _LINE + _COUNTER for i in range(self.size)]
         self._my_counter = index * _LINE + _COUNTER
@@ -217,6 +221,53 @@ class SharedSegment:
             found = self._views[key] = [slot[:nbytes].view(dtype)
                                         for slot in self._slots[self._step & 1]]
         return found
+
+    # ------------------------------------------------------------------ single-copy reads
+    def probe_single_copy(self, frame, deadline: float) -> bool:
+        """Can every local rank read every other's memory (:mod:`.cma`)? Collective over
+        the local ranks; sets (and returns) :attr:`single_copy`."""
+        words, line = self._words, self.index * _LINE
+        words[line + _ADDRESS] = self._ctrl.ctypes.data
+        self.sync(frame, deadline)
+        works = cma.available() is None
+        probe = np.zeros(1, np.int64)
+        for q in range(self.size):
+            if q == self.index or not works:
+                continue
+            try:
+                cma.read_into(probe, words[q * _LINE + _PID],
+                              words[q * _LINE + _ADDRESS] + (q * _LINE + _PID) * 8)
+            except OSError:
+                works = False
+            works = works and int(probe[0]) == words[q * _LINE + _PID]
+        words[line + _SINGLE_COPY] = 1 if works else 2
+        self.sync(frame, deadline)
+        self.single_copy = all(words[q * _LINE + _SINGLE_COPY] == 1 for q in range(self.size))
+        return self.single_copy
+
+    def lend(self, array: np.ndarray) -> None:
+        """Publish ``array``'s address for the peers' :meth:`read_from` (valid until the
+        op's next sync that follows their reads)."""
+        self._words[self.index * _LINE + _ADDRESS] = array.ctypes.data
+
+    def read_from(self, local: int, target: np.ndarray, offset: int, frame) -> None:
+        """Copy ``target.nbytes`` bytes from byte ``offset`` of the array local rank
+        ``local`` lent into ``target`` (PeerError naming it when it is gone)."""
+        words = self._words
+        try:
+            cma.read_into(target, words[local * _LINE + _PID],
+                          words[local * _LINE + _ADDRESS] + offset)
+        except OSError as exc:
+            peer = self.ranks[local]
+            raise PeerError(f"rank {self.rank}: cannot read peer {peer}'s memory during "
+                            f"{frame.op} #{frame.seq} ({exc.strerror}); it likely exited",
+                            rank=self.rank, peer=peer, op=frame.op, seq=frame.seq) from None
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """A private byte buffer of at least ``nbytes`` (reused)."""
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch
 
     def next_step(self) -> None:
         """Move to the other buffer set (call after the reads of a step)."""
