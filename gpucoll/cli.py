@@ -134,8 +134,9 @@ def _add_bench_parser(commands) -> None:
 
     add("--backend", default=None, choices=("auto", *backend_names()),
         help="gpucoll backend, auto or a registered one (default: GPUCOLL_BACKEND, i.e. auto)")
-    add("--compare", default=None, choices=("gloo",),
-        help="also time torch.distributed's Gloo backend in the same ranks; adds a ratio column")
+    add("--compare", default=None, choices=("gloo", "mpi"),
+        help="also time torch.distributed's Gloo backend, or mpi4py's MPI (the bench re-runs "
+             "itself under mpirun), in the same ranks; adds a ratio column")
     add("-a", "--average", type=int, default=1, choices=(0, 1, 2, 3), metavar="0|1|2|3",
         help="time of a size over the ranks: 0 rank 0, 1 mean, 2 fastest, 3 slowest (default: 1)")
     add("--rounds", type=int, default=1, metavar="N",
@@ -223,6 +224,15 @@ def _cmd_bench(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -
             ceiling_bytes=perf.parse_size(namespace.ceiling) if namespace.ceiling else 0)
         if namespace.nprocs is not None and not 0 <= namespace.root < namespace.nprocs:
             raise perf.UsageError(f"-r {namespace.root} is out of range for -g {namespace.nprocs}")
+        if opts.compare == "mpi":
+            from .api import detect_environment
+            from .perf import mpi
+
+            from .perf.ranks import check_options
+
+            check_options(opts, namespace.plot)
+            if detect_environment().source == "none":
+                return mpi.relaunch_under_mpirun(namespace.words[1:], namespace.nprocs or 1)
         return perf.run_bench(opts, namespace.json, namespace.csv, namespace.plot)
     except perf.UsageError as exc:
         parser.error(str(exc))
@@ -308,6 +318,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if words and words[0] == "run":
             return _cmd_run(run_parser, words[1:])
         namespace = parser.parse_args(words)
+        namespace.words = words
         if namespace.command is None:
             parser.print_help(sys.stderr)
             return 2

@@ -105,9 +105,22 @@ _GPUCOLL = [
             "Shared secret that authenticates every store and transport connection (HMAC "
             "challenge; the token itself never crosses the wire). `gpucoll run` makes a fresh "
             "one per job. Empty: connections are checked against the empty key."),
-    Setting("GPUCOLL_TRANSPORT", _choice("auto", "tcp", "unix"), "auto",
-            "Peer transport of the CPU backend: `auto` uses Unix domain sockets between ranks "
-            "on the same host and TCP across hosts; `tcp` forces TCP; `unix` forbids TCP."),
+    Setting("GPUCOLL_TRANSPORT", _choice("auto", "shm", "socket", "tcp", "unix"), "auto",
+            "Peer transport of the CPU backend: `auto` runs collectives among ranks on one host "
+            "through shared memory (sockets, with a warning, when it cannot be set up), Unix "
+            "domain sockets for their point-to-point and TCP across hosts; `shm` is `auto` "
+            "that raises instead of falling back; `socket` never uses shared memory; `tcp` "
+            "forces TCP; `unix` forbids TCP (both socket-only)."),
+    Setting("GPUCOLL_SHM_BYTES", _parse_bytes, 2 << 20,
+            "Shared-memory slot per rank (twice: two buffer sets); a host's segment in "
+            "/dev/shm holds 4 x this x its ranks. Larger messages go in slot-sized steps."),
+    Setting("GPUCOLL_SHM_SINGLE_COPY", _parse_bool, True,
+            "Large shared-memory collectives read peers' arrays directly (Linux "
+            "process_vm_readv, one copy instead of two) when every local rank can; 0 keeps "
+            "every byte in the shared segment."),
+    Setting("GPUCOLL_HOST_ID", str, "",
+            "Override this rank's host id (which ranks share a host, hence shared memory and "
+            "node-aware collectives); for tests that pretend to be several hosts."),
     Setting("GPUCOLL_HOST", str, "",
             "Address this rank publishes for TCP peers. Empty: the address of the interface "
             "that routes to the store (MASTER_ADDR)."),

@@ -525,6 +525,10 @@ class _Job:
                     self.stop_all(trap)
                 if server is not None:
                     server.close()
+                if plan.token:  # segments of a rank killed while setting up its communicator
+                    from .transports.shm import sweep_job
+
+                    sweep_job(plan.token)
 
             if outcome == "ok":
                 if self.lost:

@@ -141,6 +141,7 @@ def combine_fn(op: ReduceOp, dtype) -> Callable[[np.ndarray, np.ndarray], None]:
     def combine(dst: np.ndarray, src: np.ndarray) -> None:
         ufunc(dst, src, out=dst)
 
+    combine.ufunc = ufunc  # for callers that combine two sources into a third array
     return combine
 
 

@@ -9,6 +9,9 @@ Clusters (``CLUSTERS``; ids as in ``pytest -k``):
 
 - ``cpu-unix`` / ``cpu-tcp``: real processes (``mp_harness.RankPool``), the CPU backend over
   Unix or TCP sockets, NumPy arrays.
+- ``cpu-shm``: the same over shared memory, with 64 KiB slots so that the multi-chunk sizes
+  take many slot-sized steps (and the sliced all-reduce), large messages read straight from
+  the peers' arrays (single copy); ``cpu-shmcopy`` keeps every byte in the segment.
 - ``nccl-emulated``: ranks are threads, the real NCCL backend over ``tests/emulated_cuda``
   (gpucoll's bookkeeping, not NCCL's numerics).
 - ``nccl-gpu``: the real NCCL backend on a real GPU with CuPy (one rank per GPU; skipped
@@ -80,9 +83,11 @@ def _call(comm, kind: str, fn: Callable, *args):
 class ProcessCluster:
     """Ranks in real processes (see module doc)."""
 
-    def __init__(self, name: str, world_size: int, backend: str, transport: str, kind: str):
+    def __init__(self, name: str, world_size: int, backend: str, transport: str, kind: str,
+                 env=None):
         self.name, self.world_size, self.backend, self.kind = name, world_size, backend, kind
-        self.pool = RankPool(world_size, env={"GPUCOLL_TRANSPORT": transport}, backend=backend)
+        self.pool = RankPool(world_size, env={"GPUCOLL_TRANSPORT": transport, **(env or {})},
+                             backend=backend)
 
     def run(self, fn: Callable, *args, timeout: float = 120.0) -> List[Any]:
         return self.pool.run(_call, self.kind, fn, *args, timeout=timeout)
@@ -289,6 +294,7 @@ class MPICluster:
 
 
 CLUSTERS = [("cpu-unix", n) for n in (1, 2, 3, 4)] + [("cpu-tcp", n) for n in (2, 3)] + \
+           [("cpu-shm", n) for n in (2, 3, 4)] + [("cpu-shmcopy", n) for n in (2, 3)] + \
            [("nccl-emulated", n) for n in (1, 2, 3)] + [("nccl-gpu", 1)] + \
            [("mpi", n) for n in (2, 3, 4)]
 
@@ -305,6 +311,11 @@ def make_cluster(name: str, world_size: int):
     """Start the cluster ``name`` of ``world_size`` ranks; call ``close()`` when done."""
     if name in ("cpu-unix", "cpu-tcp"):
         return ProcessCluster(name, world_size, "cpu", name.split("-")[1], "numpy")
+    if name in ("cpu-shm", "cpu-shmcopy"):
+        single_copy = "1" if name == "cpu-shm" else "0"
+        return ProcessCluster(name, world_size, "cpu", "shm", "numpy",
+                              env={"GPUCOLL_SHM_BYTES": "64KiB",
+                                   "GPUCOLL_SHM_SINGLE_COPY": single_copy})
     if name == "nccl-gpu":
         return ProcessCluster(name, world_size, "nccl", "auto", "cupy")
     if name == "mpi":

@@ -147,20 +147,30 @@ def rank_root_disagreement(comm):
     from gpucoll import GpucollError
 
     x = np.full(4, float(comm.rank))
-    comm.broadcast(x, root=comm.rank)  # every rank believes it is the root: nobody receives
     try:
+        comm.broadcast(x, root=comm.rank)  # every rank believes it is the root
+    except GpucollError as exc:  # shared memory: every rank sees the others' headers
+        return "broadcast", type(exc).__name__, str(exc)
+    try:  # sockets: nobody receives, which close() notices
         comm.close(timeout=10)
     except GpucollError as exc:
-        return type(exc).__name__, str(exc)
+        return "close", type(exc).__name__, str(exc)
     return None
 
 
-def test_root_disagreement_surfaces_at_close():
-    results = run_ranks(rank_root_disagreement, 2, env={"GPUCOLL_TIMEOUT": "10"})
+@pytest.mark.parametrize("transport", ["socket", "shm"])
+def test_root_disagreement_surfaces(transport):
+    results = run_ranks(rank_root_disagreement, 2, env={"GPUCOLL_TIMEOUT": "10",
+                                                        "GPUCOLL_TRANSPORT": transport})
     for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank}: unreceived data went unnoticed"
-        assert result[0] == "CollectiveMismatchError"
-        assert "broadcast #1" in result[1] and "never received" in result[1]
+        assert result is not None, f"rank {rank}: the disagreement went unnoticed"
+        where, name, message = result
+        assert name == "CollectiveMismatchError", message
+        assert "broadcast #1" in message
+        if transport == "socket":
+            assert where == "close" and "never received" in message, message
+        else:
+            assert where == "broadcast" and "root 0" in message and "root 1" in message, message
 
 
 # ---------------------------------------------------------------- dead and slow ranks
@@ -190,10 +200,12 @@ def rank_dies_mid_collective(comm):
     return error, elapsed, after
 
 
+@pytest.mark.parametrize("transport", ["socket", "shm"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_dead_rank_raises_on_every_survivor(world_size):
+def test_dead_rank_raises_on_every_survivor(world_size, transport):
     survivors = [r for r in range(world_size) if r != 1]
-    results = run_ranks(rank_dies_mid_collective, world_size, env={"GPUCOLL_TIMEOUT": "20"},
+    results = run_ranks(rank_dies_mid_collective, world_size,
+                        env={"GPUCOLL_TIMEOUT": "20", "GPUCOLL_TRANSPORT": transport},
                         timeout=60, ranks=survivors)
     for r, outcome in zip(survivors, results):
         assert outcome is not None, f"rank {r} completed all_reduce with a dead peer"

@@ -171,8 +171,11 @@ def test_link_plan_per_mode():
     assert select.plan_links("unix", 1, ["a", "a"]) == {0: ("unix",)}
     with pytest.raises(ValueError, match="transport 'unix' cannot reach peer 2 on another host"):
         select.plan_links("unix", 0, hosts)
-    with pytest.raises(ValueError, match="unknown transport 'shm'; expected one of auto, tcp, unix"):
-        select.plan_links("shm", 0, hosts)
+    for mode in ("shm", "socket"):  # shared memory adds no link: sockets stay for p2p
+        assert select.plan_links(mode, 0, hosts) == {1: ("unix", "tcp"), 2: ("tcp",)}
+    with pytest.raises(ValueError, match="unknown transport 'pipe'; expected one of "
+                                         "auto, shm, socket, tcp, unix"):
+        select.plan_links("pipe", 0, hosts)
 
 
 def test_the_setting_offers_exactly_the_transport_modes():
@@ -193,7 +196,8 @@ def _init_with_transport(rank, size, url, transport):
         comm.close()
 
 
-@pytest.mark.parametrize("transport, kinds", [("tcp", ["tcp"]), ("unix", ["unix"]), ("auto", ["unix"])])
+@pytest.mark.parametrize("transport, kinds", [("tcp", ["tcp"]), ("unix", ["unix"]), ("auto", ["shm"]),
+                                              ("shm", ["shm"]), ("socket", ["unix"])])
 def test_init_transport_chooses_the_link(transport, kinds):
     results = run_ranks(_init_with_transport, 3, transport, init=False, timeout=60)
     assert all(r == (kinds, [6.0, 6.0, 6.0]) for r in results), results

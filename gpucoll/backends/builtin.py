@@ -42,7 +42,8 @@ def cpu_factory(store, rank: int, world_size: int, *, transport: Optional[str] =
         advertise_host=advertise, socket_buffer=config.get("GPUCOLL_SOCKET_BUFFER"),
         chunk_bytes=config.get("GPUCOLL_CHUNK_BYTES"),
         ring_threshold=config.get("GPUCOLL_RING_THRESHOLD"), algorithm_override=override,
-        **common)
+        shm_bytes=config.get("GPUCOLL_SHM_BYTES"),
+        shm_single_copy=config.get("GPUCOLL_SHM_SINGLE_COPY"), **common)
 
 
 def nccl_factory(store, rank: int, world_size: int, *, device: Optional[int] = None, **common):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -29,12 +30,16 @@ from ..communicator import Communicator
 from ..hostarrays import host_view, like_caller
 from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutError, GpucollError,
                       PeerError)
-from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort
+from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort, ranks_behind
+from ..algorithms import shared as shared_algorithms
+from ..algorithms.hierarchical import hierarchical_all_reduce
 from ..rendezvous.store import PrefixStore, Store
 from ..transports.base import Frame, Recv
 from ..rendezvous import hosts
 from ..rendezvous.survivors import agree_on_survivors
 from ..transports import select as select_transport
+from ..transports import shm
+from ..transports.base import OP_CODES
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
 from ..work import Work
 from . import signature
@@ -42,6 +47,30 @@ from .ordering import Channel, OpOrder
 from .staging import Staged
 
 __all__ = ["CPUCommunicator"]
+
+_SHARED = {
+    "all_reduce": shared_algorithms.shared_all_reduce,
+    "broadcast": shared_algorithms.shared_broadcast,
+    "reduce": shared_algorithms.shared_reduce,
+    "all_gather": shared_algorithms.shared_all_gather,
+    "reduce_scatter": shared_algorithms.shared_reduce_scatter,
+    "gather": shared_algorithms.shared_gather,
+    "scatter": shared_algorithms.shared_scatter,
+    "all_to_all": shared_algorithms.shared_all_to_all,
+}
+_OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp, 1)}
+_ALL_REDUCE_CODE = OP_CODES["all_reduce"]
+_COMBINERS: Dict[tuple, Callable] = {}
+
+
+def _combiner(op: ReduceOp, dtype) -> Callable:
+    """``combine_fn(op, dtype)``, memoized (the small-message path calls it every time)."""
+    key = (op, dtype)
+    fn = _COMBINERS.get(key)
+    if fn is None:
+        fn = _COMBINERS[key] = combine_fn(op, dtype)
+    return fn
+
 
 def _flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1)
@@ -67,7 +96,8 @@ class CPUCommunicator(Communicator):
                  timeout: float, transport: str = "auto", advertise_host: str = "127.0.0.1",
                  socket_buffer: int = 0, chunk_bytes: int = 256 << 10,
                  ring_threshold: int = 256 << 10, algorithm_override: Optional[dict] = None,
-                 debug: bool = False, owns_store: bool = True):
+                 debug: bool = False, shm_bytes: int = 2 << 20, shm_single_copy: bool = True,
+                 owns_store: bool = True):
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is out of range for world_size={size}")
         self.rank, self.size, self.timeout = rank, size, float(timeout)
@@ -79,7 +109,8 @@ class CPUCommunicator(Communicator):
         self._settings = dict(transport=transport, advertise_host=advertise_host,
                               socket_buffer=socket_buffer, chunk_bytes=chunk_bytes,
                               ring_threshold=ring_threshold, algorithm_override=algorithm_override,
-                              debug=debug)
+                              debug=debug, shm_bytes=shm_bytes,
+                              shm_single_copy=shm_single_copy)
         self._ring_threshold = ring_threshold
         self._override = algorithm_override or {}
         self._debug = debug
@@ -90,6 +121,11 @@ class CPUCommunicator(Communicator):
             self._store, rank, size, host_ids=host_ids, mode=transport, comm_id=comm_id,
             token=token, timeout=max(deadline - time.monotonic(), 0.001),
             advertise_host=advertise_host, buffer_bytes=socket_buffer, chunk_bytes=chunk_bytes)
+        self._shared: Optional[shm.SharedSegment] = None
+        self._leaders: List[int] = []
+        self._all_shared = False
+        if size > 1 and select_transport.shared_memory_mode(transport) != "off":
+            self._open_shared(host_ids, transport, token, shm_bytes, shm_single_copy, deadline)
         self._order = OpOrder(rank, size)
         self._seq = 0
         self._seq_lock = threading.Lock()
@@ -105,10 +141,48 @@ class CPUCommunicator(Communicator):
     def _export(self, result, like):
         return like_caller(result, like)
 
+    def _open_shared(self, host_ids: List[str], mode: str, token: str, shm_bytes: int,
+                     single_copy: bool, deadline: float) -> None:
+        """Map this host's segment (every rank agrees on whether shared memory is used)."""
+        try:
+            segment, reason = shm.open_local_segment(
+                self._store, self.rank, host_ids, token=token, comm_id=self.comm_id,
+                slot_bytes=shm_bytes, timeout=max(deadline - time.monotonic(), 0.001))
+        except BaseException:
+            self._transport.close()
+            raise
+        if reason is not None:
+            if select_transport.shared_memory_mode(mode) == "required":
+                self._transport.close()
+                raise shm.SharedMemoryUnavailable(
+                    f"rank {self.rank}: transport 'shm' needs shared memory: {reason}")
+            if not reason.startswith("unsupported: "):
+                warnings.warn(f"gpucoll: rank {self.rank}: shared memory unavailable, using "
+                              f"sockets between ranks on one host: {reason}", RuntimeWarning,
+                              stacklevel=4)
+            return
+        self._shared = segment
+        if segment is not None:
+            segment.liveness = self._transport.hung_up
+            if single_copy:
+                try:
+                    segment.probe_single_copy(Frame("barrier", 0), deadline)
+                except GpucollError:
+                    self._transport.close()
+                    raise
+        leaders = sorted({host_ids.index(h) for h in host_ids})
+        self._all_shared = segment is not None and segment.size == self.size
+        if not self._all_shared and len(leaders) < self.size:
+            self._leaders = leaders
+
     @property
     def transport_kinds(self) -> Dict[int, str]:
-        """peer -> "unix" or "tcp": the link used to each peer."""
-        return dict(self._transport.kinds)
+        """peer -> "shm", "unix" or "tcp": how collectives reach each peer ("shm": through
+        this host's shared-memory segment; point-to-point still uses a socket)."""
+        kinds = dict(self._transport.kinds)
+        if self._shared is not None:
+            kinds.update({peer: "shm" for peer in self._shared.ranks if peer != self.rank})
+        return kinds
 
     # ------------------------------------------------------------------ execution
     def _next_seq(self) -> int:
@@ -156,18 +230,23 @@ class CPUCommunicator(Communicator):
             self._check_alive()
             return body(time.monotonic() + limit)
         except GpucollError as exc:
-            if isinstance(exc, CommAbortedError):
-                raise
-            if self._aborted is not None and not isinstance(exc, CollectiveMismatchError):
-                raise CommAbortedError(
-                    f"rank {self.rank}: {name} #{seq} failed because the communicator was "
-                    f"aborted ({self._aborted})") from exc
-            if isinstance(exc, CommTimeoutError):
-                exc.add_limit(limit)
-            self._abort_with(str(exc))
-            raise self._explain(exc)
+            self._fail(name, seq, exc, limit)
         finally:
             self._order.release(entry)
+
+    def _fail(self, name: str, seq: int, exc: GpucollError, limit: float) -> None:
+        """Raise what a failed op should raise, aborting the communicator (a dead peer, a
+        timeout or a mismatch leaves it unusable)."""
+        if isinstance(exc, CommAbortedError):
+            raise exc
+        if self._aborted is not None and not isinstance(exc, CollectiveMismatchError):
+            raise CommAbortedError(
+                f"rank {self.rank}: {name} #{seq} failed because the communicator was "
+                f"aborted ({self._aborted})") from exc
+        if isinstance(exc, CommTimeoutError):
+            exc.add_limit(limit)
+        self._abort_with(str(exc))
+        raise self._explain(exc)
 
     def _explain(self, exc: GpucollError) -> GpucollError:
         """Add what a dead or failing peer left in the store about why it stopped."""
@@ -190,11 +269,31 @@ class CPUCommunicator(Communicator):
         # why, for the peers' errors: published before the links close (peers read it when
         # they see the closed link); best effort, since the store may be unreachable now
         best_effort(lambda: self._store.set(f"abort/{self.rank}", reason.encode()), ABORT_BUDGET)
+        if self._shared is not None:
+            self._shared.mark_aborted()
         self._transport.close()
         self._order.wake()
 
     def _frame(self, name: str, seq: int, dtype) -> Frame:
         return Frame(name, seq, wire_code(dtype) if dtype is not None else 0)
+
+    def _run_shared(self, name: str, seq: int, buffers, sample, nbytes: int,
+                    op: Optional[ReduceOp], root: Optional[int], deadline: float) -> None:
+        """The collective through this host's segment (node-aware across hosts)."""
+        frame = self._frame(name, seq, sample.dtype)
+        if self._shared is not None:
+            self._shared.expect((OP_CODES[name], frame.dtype, nbytes,
+                                 -1 if root is None else root, _OP_NUMBERS.get(op, 0)))
+        combine = () if op is None else (combine_fn(op, sample.dtype),)
+        if self._all_shared:
+            extra = (() if root is None else (root,)) + combine
+            _SHARED[name](self._shared, *buffers, *extra, frame, deadline)
+            return
+        leader_fn = algorithms.get("all_reduce", algorithms.select(
+            "all_reduce", sample.nbytes, len(self._leaders), self._override,
+            itemsize=sample.itemsize, ring_threshold=self._ring_threshold))
+        hierarchical_all_reduce(self._shared, self._transport, self._leaders, buffers[0],
+                                combine[0], leader_fn, frame, deadline)
 
     def _algorithm(self, collective: str, nbytes: int, itemsize: int):
         name = algorithms.select(collective, nbytes, self.size, self._override, itemsize=itemsize,
@@ -244,12 +343,16 @@ class CPUCommunicator(Communicator):
             if self.size > 1:
                 buffers = (result,) if in_place else (send, result)
                 sample = send if send is not None else result
-                fn = self._algorithm(name, _selection_bytes(name, send, result, self.size),
-                                     sample.itemsize)
-                extra = (() if root is None else (root,)) + (
-                    () if op is None else (combine_fn(op, sample.dtype),))
-                fn(self._transport, *buffers, *extra, self._frame(name, seq, sample.dtype),
-                   deadline)
+                if self._all_shared or (self._leaders and name == "all_reduce"):
+                    self._run_shared(name, seq, buffers, sample, signed.host.nbytes, op, root,
+                                     deadline)
+                else:
+                    fn = self._algorithm(name, _selection_bytes(name, send, result, self.size),
+                                         sample.itemsize)
+                    extra = (() if root is None else (root,)) + (
+                        () if op is None else (combine_fn(op, sample.dtype),))
+                    fn(self._transport, *buffers, *extra, self._frame(name, seq, sample.dtype),
+                       deadline)
             elif not in_place and result is not None and result is not send:
                 np.copyto(result, send)
             if dst is None:
@@ -263,9 +366,34 @@ class CPUCommunicator(Communicator):
         return self._submit(name, seq, self._order.all_channels, body, async_op)
 
     def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        if (self._all_shared and not async_op and type(x) is np.ndarray
+                and x.nbytes <= shared_algorithms.SMALL_BYTES and not self._debug
+                and (out is None or type(out) is np.ndarray) and self._order.idle()):
+            return self._small_all_reduce(x, op, out)
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else src
         return self._collective("all_reduce", src, dst, op=op, in_place=True, async_op=async_op)
+
+    def _small_all_reduce(self, x: np.ndarray, op: ReduceOp, out: Optional[np.ndarray]):
+        """The common case without the general machinery: a blocking all-reduce of a small
+        host array on one host, nothing else pending on this communicator (so no queue to
+        wait in). Same checks, results and errors as the general path."""
+        seq = self._next_seq()
+        self._check_alive()
+        result = x if out is None else out
+        if out is not None:
+            np.copyto(out, x)
+        segment, flat = self._shared, result.reshape(-1)
+        frame = Frame("all_reduce", seq, wire_code(x.dtype))
+        segment.expect((_ALL_REDUCE_CODE, frame.dtype, x.nbytes, -1, _OP_NUMBERS[op]))
+        try:
+            shared_algorithms.shared_all_reduce(segment, flat, _combiner(op, x.dtype), frame,
+                                                time.monotonic() + self.timeout)
+        except GpucollError as exc:
+            self._fail("all_reduce", seq, exc, self.timeout)
+        if op is ReduceOp.AVG:
+            finish_avg(flat, self.size)
+        return result
 
     def _broadcast(self, x, root: int, async_op: bool, stream=None):
         buf = Staged(x, stream)
@@ -347,9 +475,13 @@ class CPUCommunicator(Communicator):
         seq = self._next_seq()
 
         def body(deadline: float):
-            if self.size > 2:  # who arrived, for naming the late ranks (with 2, it is the peer)
-                self._store.set(f"barrier/{self.rank}", str(seq).encode())
-            if self.size > 1:
+            if self._all_shared:
+                frame = self._frame("barrier", seq, None)
+                self._shared.expect((OP_CODES["barrier"], 0, 0, -1, 0))
+                shared_algorithms.shared_barrier(self._shared, frame, deadline)
+            elif self.size > 1:
+                if self.size > 2:  # who arrived, for naming the late ranks (with 2: the peer)
+                    self._store.set(f"barrier/{self.rank}", str(seq).encode())
                 algorithms.get("barrier", algorithms.select("barrier", 0, self.size, self._override))(
                     self._transport, self._frame("barrier", seq, None), deadline)
 
@@ -359,19 +491,10 @@ class CPUCommunicator(Communicator):
             raise self._name_late_ranks(exc, seq) from None
 
     def _name_late_ranks(self, exc: CommTimeoutError, seq: int) -> CommTimeoutError:
-        """Name the ranks that never reached barrier ``seq`` (each rank records the last
-        barrier it entered); a dissemination barrier's own wait may be on an innocent peer."""
-        def late() -> List[int]:
-            ranks = []
-            for rank in range(self.size):
-                key = f"barrier/{rank}"
-                if rank != self.rank and (not self._store.check([key]) or
-                                          int(self._store.get(key, READ_BUDGET)) < seq):
-                    ranks.append(rank)
-            return ranks
-
-        read, ranks = best_effort(late, READ_BUDGET) if self.size > 2 else (False, None)
-        if read and ranks:
+        """Name who never reached barrier ``seq``, not the peer the dissemination step waited on."""
+        ranks = (ranks_behind(self._store, "barrier", self.size, self.rank, seq)
+                 if self.size > 2 and not self._all_shared else None)  # shm names them itself
+        if ranks:
             head, sep, tail = str(exc.args[0]).partition(" (the limit is")
             exc.args = (f"rank {self.rank}: barrier #{seq} timed out: rank(s) {ranks} did not "
                         f"reach it{sep}{tail}",)
@@ -456,6 +579,8 @@ class CPUCommunicator(Communicator):
             self._order.release(entry)
             self._closed = True
             self._transport.close()
+            if self._shared is not None:
+                self._shared.close()
             self._release_store()
         if problems:
             raise CollectiveMismatchError(

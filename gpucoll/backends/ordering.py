@@ -66,6 +66,11 @@ class OpOrder:
                         pass
             self._cond.notify_all()
 
+    def idle(self) -> bool:
+        """True when no operation is queued or running (read without the lock: a stale
+        answer only sends the caller down the general path)."""
+        return not any(self._queues.values())
+
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()

@@ -117,6 +117,20 @@ def _gloo_variant(gloo, host, coll: Collective, bufs, op, root, rank, nranks, se
                     lambda s: coll.fill(host, bufs, mode, s, rank, nranks, op, root), check, seed)
 
 
+def _comparison_side(compare: Optional[str], comm, dev, timeout: float):
+    """The peer library timed beside gpucoll (``--compare``), or None. Its rows' key stays
+    ``"gloo"`` whichever peer it is; the table names the peer."""
+    if compare == "gloo":
+        from .gloo import GlooSide
+
+        return GlooSide(comm, dev, timeout)
+    if compare == "mpi":
+        from .mpi import MPISide
+
+        return MPISide(comm, dev, timeout)
+    return None
+
+
 def _play(variants: List[_Variant], iters: int, warmup: int, rounds: int, shift: int,
           check: bool) -> Tuple[List[List[float]], List[Optional[int]]]:
     """Time every variant (seconds per call in each round) and check each once."""
@@ -256,7 +270,6 @@ def run_rank(comms, opts: BenchOptions, emit: Optional[Callable[[str, Any], None
     Events: ``("begin", info)`` once, ``("start", name)`` before each collective's rows,
     ``("row", row)``, ``("skip", (name, reason))`` and ``("end", name)``.
     """
-    from .gloo import GlooSide
     from .machine import describe_machine
 
     if not isinstance(comms, (list, tuple)):
@@ -271,14 +284,14 @@ def run_rank(comms, opts: BenchOptions, emit: Optional[Callable[[str, Any], None
         out = dev.empty((comm.size, 1), np.int64)
         comm.all_gather(buf, out=out)
         pids = dev.get(out).reshape(-1)
-    gloo = GlooSide(comm, dev, opts.timeout) if opts.compare == "gloo" else None
+    gloo = _comparison_side(opts.compare, comm, dev, opts.timeout)
     info = {"nranks": comm.size, "backend": comm.backend, "pids": [int(p) for p in pids],
             "labels": [label for label, _ in comms],
             "variants": {label: describe(label, c) for label, c in comms}}
     if comm.rank == 0:
         info["machine"] = describe_machine(comm)
         if gloo is not None:
-            info["compare_version"] = f"torch {gloo.version}"
+            info["compare_version"] = gloo.version
     say("begin", info)
     try:
         seed, shift = opts.seed, 0

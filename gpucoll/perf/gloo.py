@@ -30,7 +30,7 @@ class GlooSide:
 
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
         self.torch, self.dist = torch, dist
-        self.version = torch.__version__
+        self.version = f"torch {torch.__version__}"
         host = detect_environment().master_addr or "127.0.0.1"
         if host == "127.0.0.1" and sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks of one host: loopback

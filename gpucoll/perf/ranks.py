@@ -201,6 +201,10 @@ def check_options(opts: BenchOptions, plot_path: Optional[str] = None) -> None:
     import importlib.util
 
     opts.validate()
+    if opts.compare == "mpi":
+        from .mpi import require_mpi4py
+
+        require_mpi4py()
     if opts.compare == "gloo" and importlib.util.find_spec("torch") is None:
         raise UsageError("--compare gloo needs PyTorch (torch.distributed's Gloo backend): "
                          "pip install torch")

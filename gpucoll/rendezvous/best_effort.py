@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-__all__ = ["ABORT_BUDGET", "READ_BUDGET", "best_effort", "missing_ranks", "ranks_text"]
+__all__ = ["ABORT_BUDGET", "READ_BUDGET", "best_effort", "missing_ranks", "ranks_behind", "ranks_text"]
 
 ABORT_BUDGET = 0.5   # seconds a rank waits to publish why it aborted
 READ_BUDGET = 1.0    # seconds a rank waits to read what its peers published
@@ -59,3 +59,19 @@ def missing_ranks(store: Any, keys: Sequence[str]) -> Optional[List[int]]:
 def ranks_text(ranks: Optional[List[int]]) -> str:
     """``"rank(s) [2, 3]"``, or what to say when the store could not tell (see above)."""
     return "some rank(s) (the store could not say which)" if ranks is None else f"rank(s) {ranks}"
+
+
+def ranks_behind(store: Any, prefix: str, size: int, me: int, seq: int) -> Optional[List[int]]:
+    """The ranks other than ``me`` whose counter ``prefix/<rank>`` is below ``seq`` or was
+    never set (who did not reach step ``seq``); None when the store cannot say within
+    :data:`READ_BUDGET`."""
+    def behind() -> List[int]:
+        late = []
+        for rank in range(size):
+            key = f"{prefix}/{rank}"
+            if rank != me and (not store.check([key]) or int(store.get(key, READ_BUDGET)) < seq):
+                late.append(rank)
+        return late
+
+    read, late = best_effort(behind, READ_BUDGET)
+    return late if read else None

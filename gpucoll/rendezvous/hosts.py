@@ -12,6 +12,7 @@ import socket
 import time
 from typing import List, Sequence, Tuple
 
+from .. import config
 from ..auth import TOKEN_DIFFERS
 from ..errors import AuthenticationError, CommTimeoutError
 from .best_effort import READ_BUDGET, best_effort, missing_ranks, ranks_text
@@ -23,7 +24,11 @@ _JOIN_SLICE = 0.5  # seconds between looks for a refused token while ranks join
 
 
 def host_id() -> str:
-    """Identity of this host and network namespace (see module doc)."""
+    """Identity of this host and network namespace (see module doc); GPUCOLL_HOST_ID
+    overrides it (tests that pretend to be several hosts)."""
+    override = config.get("GPUCOLL_HOST_ID")
+    if override:
+        return override
     parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

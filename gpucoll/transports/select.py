@@ -5,16 +5,22 @@ which links to try in order, from the transport mode (``init(transport=...)`` or
 ``GPUCOLL_TRANSPORT``) and whether the peer is on this host (equal host ids, see
 ``gpucoll.rendezvous.hosts``):
 
-============  =====================  =====================
-mode          peer on this host      peer on another host
-============  =====================  =====================
-``auto``      unix, then tcp         tcp
-``tcp``       tcp                    tcp
-``unix``      unix                   (refused: no link)
-============  =====================  =====================
+============  =====================  =====================  ======================
+mode          peer on this host      peer on another host   collectives on a host
+============  =====================  =====================  ======================
+``auto``      unix, then tcp         tcp                    shared memory if it can
+                                                            be set up, else sockets
+``shm``       unix, then tcp         tcp                    shared memory (else an
+                                                            error)
+``socket``    unix, then tcp         tcp                    sockets
+``tcp``       tcp                    tcp                    sockets
+``unix``      unix                   (refused: no link)     sockets
+============  =====================  =====================  ======================
 
-A new link kind (shared memory, say) plugs in here: a mode in :data:`TRANSPORT_MODES`, its
-row in :func:`plan_links`, and the transport that speaks it in :func:`connect`.
+Sockets always connect every pair of ranks: point-to-point messages use them, and a rank
+waiting in shared memory watches them to notice a peer that died. Shared memory
+(``gpucoll.transports.shm``) carries the collectives among the ranks of one host; across
+hosts the CPU backend reduces inside each host first (node-aware).
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ from ..rendezvous.store import Store
 from .base import Transport
 from .socket import SocketTransport
 
-__all__ = ["TRANSPORT_MODES", "check_mode", "plan_links", "connect"]
+__all__ = ["TRANSPORT_MODES", "check_mode", "plan_links", "connect", "shared_memory_mode"]
 
 TRANSPORT_MODES: Dict[str, str] = {
-    "auto": "Unix domain sockets between ranks on one host, TCP across hosts",
+    "auto": "shared memory for collectives among ranks on one host (sockets if it cannot "
+            "be set up), Unix sockets for their point-to-point, TCP across hosts",
+    "shm": "like auto, but an error when shared memory cannot be set up",
+    "socket": "sockets only: Unix domain sockets on one host, TCP across hosts",
     "tcp": "TCP to every peer, also on one host",
     "unix": "Unix domain sockets only (every rank on one host)",
 }
@@ -41,6 +50,11 @@ def check_mode(mode: str) -> str:
         raise ValueError(f"unknown transport {mode!r}; expected one of "
                          f"{', '.join(TRANSPORT_MODES)}")
     return value
+
+
+def shared_memory_mode(mode: str) -> str:
+    """"preferred" (auto), "required" (shm) or "off" (the socket-only modes)."""
+    return {"auto": "preferred", "shm": "required"}.get(check_mode(mode), "off")
 
 
 def plan_links(mode: str, rank: int, host_ids: List[str]) -> Dict[int, Tuple[str, ...]]:

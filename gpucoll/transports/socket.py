@@ -455,6 +455,29 @@ class SocketTransport(Transport):
             f"rank {self.rank}: peer {peer} closed its connection during {frame.op} #{frame.seq}; "
             f"it exited, crashed or aborted", rank=self.rank, peer=peer, op=frame.op, seq=frame.seq)
 
+    def hung_up(self, peers: Sequence[int]) -> List[int]:
+        """The peers among ``peers`` whose connection is closed (they died or aborted).
+
+        Non-blocking; unread data from a live peer is left where it is (MSG_PEEK). Used by
+        waits that do not read from the sockets themselves (shared memory).
+        """
+        gone = []
+        for peer in peers:
+            sock = self.socks.get(peer)
+            if sock is None:
+                gone.append(peer)
+                continue
+            try:
+                if not select.select([sock], [], [], 0)[0]:
+                    continue
+                if sock.recv(1, socket.MSG_PEEK) == b"":
+                    gone.append(peer)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except (OSError, ValueError):
+                gone.append(peer)
+        return gone
+
     # ------------------------------------------------------------------ shutdown
     def close_handshake(self, deadline: float) -> Tuple[List[str], List[int]]:
         """Tell every peer we are closing and read their close frames.
