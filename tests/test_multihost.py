@@ -64,11 +64,11 @@ def test_every_collective_split_and_new_group_across_two_hosts(hosts):
     _check_checked(job)
     links = {int(r): json.loads(text) for r, text in
              re.findall(r"^\[rank (\d+)\] LINKS (.*)$", job.output(), re.M)}
-    # the hosts really are two hosts: TCP to the other one, Unix sockets inside each
+    # the hosts really are two hosts: TCP to the other one, shared memory inside each
     for rank, kinds in links.items():
         for peer, kind in kinds.items():
             same_host = int(peer) // 2 == rank // 2
-            assert kind == ("unix" if same_host else "tcp"), (rank, peer, kind)
+            assert kind == ("shm" if same_host else "tcp"), (rank, peer, kind)
 
 
 def test_a_node_with_another_token_is_refused_on_both_sides(hosts):

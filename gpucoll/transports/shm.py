@@ -385,13 +385,13 @@ class SharedSegment:
                                                words[i * _LINE + start + 2]) != (kind, nbytes, seq)]
         if not odd:
             return
-        from .base import OP_NAMES
+        from .base import OP_NAMES, dtype_text
 
         def describe(i: int) -> str:
             base = i * _LINE + start
             kind, nbytes, seq = words[base], words[base + 1], words[base + 2]
             op, dtype, root = kind & 0xFF, (kind >> 8) & 0xFF, (kind >> 24) - 1
-            text = f"{OP_NAMES.get(op, op)} #{seq} ({nbytes} bytes, dtype code {dtype}"
+            text = f"{OP_NAMES.get(op, op)} #{seq} ({nbytes} bytes, {dtype_text(dtype)}"
             return text + (f", root {root})" if root >= 0 else ")")
 
         others = "; ".join(f"rank {self.ranks[i]} called {describe(i)}" for i in odd)
