@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import os
 import threading
 import time
 from typing import Any, Callable, Dict, Optional
@@ -42,7 +43,8 @@ from .staging import Staged
 
 __all__ = ["MPICommunicator", "MPIWork", "mpi_factory"]
 
-_SPIN_SECONDS = 200e-6  # poll without sleeping this long (latency), then back off to 1 ms
+_SPIN_SECONDS = 200e-6  # poll without sleeping this long (latency), then yield the core
+_YIELD_SECONDS = 0.05   # between Tests until this long (large messages), then back off to 1 ms
 
 
 class _Direct:
@@ -213,9 +215,11 @@ class MPICommunicator(Communicator):
                            f"create a new one")
                 self._abort_with(message)
                 raise CommTimeoutError(message, rank=self.rank, peer=peer, op=name, seq=seq)
-            if now - start > _SPIN_SECONDS:
+            if now - start > _YIELD_SECONDS:
                 pause = min(pause * 2 or 10e-6, 1e-3, max(deadline - now, 0.0))
                 time.sleep(pause)
+            elif now - start > _SPIN_SECONDS:
+                os.sched_yield()  # MPI progresses a non-blocking collective only inside Test
 
     def _run(self, name: str, seq: int, start: Callable[[], Any], finish: Callable[[], Any],
              async_op: bool, timeout: Optional[float] = None, status=None,
