@@ -110,6 +110,13 @@ def sgd_step(params: List[Any], grads: List[Any], velocity: List[Any], lr: float
         p -= lr * v
 
 
+def epoch_line(epoch: int, totals, test_accuracy: float, start: float) -> str:
+    """The per-epoch line the training examples print (``totals``: summed loss, correct, seen)."""
+    return (f"epoch {epoch + 1:3d}  loss {totals['loss'] / totals['seen']:.4f}  "
+            f"train acc {totals['correct'] / totals['seen']:.4f}  "
+            f"test acc {test_accuracy:.4f}  ({time.perf_counter() - start:.2f} s)")
+
+
 def _array_module(force_cpu: bool):
     if not force_cpu:
         try:
@@ -301,10 +308,8 @@ def main(argv=None) -> int:
                 shard = _recover(shard, params, velocity, progress, args, len(x_train))
                 continue
             if comm.rank == 0:
-                print(f"epoch {progress.epoch + 1:3d}  loss {totals['loss'] / totals['seen']:.4f}  "
-                      f"train acc {totals['correct'] / totals['seen']:.4f}  "
-                      f"test acc {test_correct / len(x_test):.4f}  "
-                      f"({time.perf_counter() - start:.2f} s)", flush=True)
+                print(epoch_line(progress.epoch, totals, test_correct / len(x_test), start),
+                      flush=True)
             progress.epoch, progress.offset = progress.epoch + 1, 0
             sums = {"loss": 0.0, "correct": 0, "seen": 0}
             start = time.perf_counter()

@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 from gpucoll.ddp import DistributedSampler, all_reduce_metrics
-from gpucoll.examples.train_digits import (_array_module, _init, init_params, load_digits_split,
-                                           loss_and_grads)
+from gpucoll.examples.train_digits import (_array_module, _init, epoch_line, init_params,
+                                           load_digits_split, loss_and_grads)
 from gpucoll.ps import ParameterServer, PSWorker
 
 
@@ -90,10 +90,7 @@ def main(argv=None) -> int:
             worker.pull()    # every worker pushed this epoch's last step: the same parameters
             _, test_correct, _ = loss_and_grads(params, xp.asarray(x_test), xp.asarray(y_test), xp)
             if worker_comm.rank == 0:
-                print(f"epoch {epoch + 1:3d}  loss {totals['loss'] / totals['seen']:.4f}  "
-                      f"train acc {totals['correct'] / totals['seen']:.4f}  "
-                      f"test acc {test_correct / len(x_test):.4f}  "
-                      f"({time.perf_counter() - start:.2f} s)", flush=True)
+                print(epoch_line(epoch, totals, test_correct / len(x_test), start), flush=True)
         worker.close()
         worker_comm.close()
     return 0

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from gpucoll.ddp import Bucketer, DistributedSampler, all_reduce_metrics, make_optimizer
-from gpucoll.examples.train_digits import _array_module, _init, load_digits_split
+from gpucoll.examples.train_digits import _array_module, _init, epoch_line, load_digits_split
 from gpucoll.tp import ParallelMLP
 
 
@@ -105,10 +105,7 @@ def main(argv=None) -> int:
             test = all_reduce_metrics(tp_comm, {"correct": hits, "seen": len(y_eval)}) \
                 if args.sequence_parallel else {"correct": hits, "seen": len(y_eval)}
             if comm.rank == 0:
-                print(f"epoch {epoch + 1:3d}  loss {totals['loss'] / totals['seen']:.4f}  "
-                      f"train acc {totals['correct'] / totals['seen']:.4f}  "
-                      f"test acc {test['correct'] / test['seen']:.4f}  "
-                      f"({time.perf_counter() - start:.2f} s)", flush=True)
+                print(epoch_line(epoch, totals, test["correct"] / test["seen"], start), flush=True)
         tp_comm.close()
         dp_comm.close()
     return 0

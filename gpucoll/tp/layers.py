@@ -17,7 +17,7 @@ Only the ``Communicator`` interface is used; arrays are NumPy or CuPy (the weigh
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -88,6 +88,17 @@ class _ParallelLinear:
         return self.comm.reduce_scatter(self.xp.ascontiguousarray(x).reshape(p, rows, x.shape[1]))
 
 
+def _check_linear(weight: Any, bias: Optional[Any]) -> Tuple[int, int]:
+    """(in_features, out_features) of a full layer's weight; ValueError for a bad shape."""
+    if getattr(weight, "ndim", None) != 2:
+        raise ValueError(f"weight must be 2-D (in_features, out_features), got shape "
+                         f"{getattr(weight, 'shape', None)}")
+    in_features, out_features = int(weight.shape[0]), int(weight.shape[1])
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"bias must have shape ({out_features},), got {bias.shape}")
+    return in_features, out_features
+
+
 class ColumnParallelLinear(_ParallelLinear):
     """``y = x W + b`` with W's columns (output features) split across ``comm``'s ranks.
 
@@ -113,13 +124,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, comm, weight: Any, bias: Optional[Any] = None, *,
                  gather_output: bool = False, sequence_parallel: bool = False):
-        if getattr(weight, "ndim", None) != 2:
-            raise ValueError(f"weight must be 2-D (in_features, out_features), got shape "
-                             f"{getattr(weight, 'shape', None)}")
         self.comm, self.xp = comm, _array_module(weight)
-        self.in_features, self.out_features = int(weight.shape[0]), int(weight.shape[1])
-        if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise ValueError(f"bias must have shape ({self.out_features},), got {bias.shape}")
+        self.in_features, self.out_features = _check_linear(weight, bias)
         self.local_out = _split(self.out_features, comm.size, "out_features",
                                 "ColumnParallelLinear")
         cols = slice(comm.rank * self.local_out, (comm.rank + 1) * self.local_out)
@@ -185,13 +191,8 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, comm, weight: Any, bias: Optional[Any] = None, *,
                  input_is_parallel: bool = True, sequence_parallel: bool = False):
-        if getattr(weight, "ndim", None) != 2:
-            raise ValueError(f"weight must be 2-D (in_features, out_features), got shape "
-                             f"{getattr(weight, 'shape', None)}")
         self.comm, self.xp = comm, _array_module(weight)
-        self.in_features, self.out_features = int(weight.shape[0]), int(weight.shape[1])
-        if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise ValueError(f"bias must have shape ({self.out_features},), got {bias.shape}")
+        self.in_features, self.out_features = _check_linear(weight, bias)
         self.local_in = _split(self.in_features, comm.size, "in_features", "RowParallelLinear")
         rows = slice(comm.rank * self.local_in, (comm.rank + 1) * self.local_in)
         self.weight = self.xp.ascontiguousarray(weight[rows])
