@@ -24,7 +24,10 @@ Array = Any  # numpy.ndarray, cupy.ndarray, or what a backend accepts
 
 
 def _shape_of(x: Array) -> Tuple[int, ...]:
-    return tuple(int(d) for d in x.shape)
+    shape = x.shape
+    if type(shape) is tuple:  # NumPy, CuPy: already a tuple of ints
+        return shape
+    return tuple(int(d) for d in shape)
 
 
 class Communicator(CompositeCollectives, abc.ABC):

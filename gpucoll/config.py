@@ -112,8 +112,8 @@ _GPUCOLL = [
             "that raises instead of falling back; `socket` never uses shared memory; `tcp` "
             "forces TCP; `unix` forbids TCP (both socket-only)."),
     Setting("GPUCOLL_SHM_BYTES", _parse_bytes, 2 << 20,
-            "Shared-memory slot per rank (twice: two buffer sets); a host's segment in "
-            "/dev/shm holds 4 x this x its ranks. Larger messages go in slot-sized steps."),
+            "Shared-memory slot per rank (twice: two buffer sets; at least 64 KiB); a host's "
+            "segment in /dev/shm holds 2 x this x its ranks. Larger messages go in slot-sized steps."),
     Setting("GPUCOLL_SHM_SINGLE_COPY", _parse_bool, True,
             "Large shared-memory collectives read peers' arrays directly (Linux "
             "process_vm_readv, one copy instead of two) when every local rank can; 0 keeps "

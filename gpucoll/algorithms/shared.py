@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from ..transports.base import Frame
-from ..transports.shm import SharedSegment
+from ..transports.shm import MIN_SLOT_BYTES, SharedSegment
 
 __all__ = ["shared_all_reduce", "shared_reduce", "shared_broadcast", "shared_all_gather",
            "shared_reduce_scatter", "shared_gather", "shared_scatter", "shared_all_to_all",
@@ -34,9 +34,10 @@ __all__ = ["shared_all_reduce", "shared_reduce", "shared_broadcast", "shared_all
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
-# Up to this size every rank reduces the whole message itself (one sync); above it each rank
-# reduces a 1/L slice and everyone copies the slices out (two syncs, 1/L of the arithmetic).
-SMALL_BYTES = 64 << 10
+# Up to this size a collective is one step and one sync, and all_reduce has every rank reduce
+# the whole message itself; above it each rank reduces a 1/L slice and everyone copies the
+# slices out (two syncs, 1/L of the arithmetic). Every slot holds at least this much.
+SMALL_BYTES = MIN_SLOT_BYTES
 # Pipelining: a sync costs about as much as copying this many bytes (5 us at 15 GB/s).
 PIPELINE_BYTES = 75_000
 MIN_STEP_BYTES = 64 << 10
@@ -205,9 +206,19 @@ def shared_reduce(segment: SharedSegment, send: np.ndarray, out: Optional[np.nda
 def shared_broadcast(segment: SharedSegment, buf: np.ndarray, root: int, frame: Frame,
                      deadline: float) -> None:
     """Broadcast ``buf`` from ``root``: per step the root copies in, 1 sync, the others copy
-    out in parallel. The root copies N, every other rank N. Single copy: sync, the others
-    read the root's array in parallel, sync (the root copies nothing)."""
+    out in parallel. The root copies N, every other rank N (small messages: one step).
+    Single copy: sync, the others read the root's array in parallel, sync (the root copies
+    nothing)."""
     me, raw = segment.index, _raw(buf)
+    if buf.nbytes <= SMALL_BYTES:
+        view = segment.views(buf.nbytes, np.uint8)[root]
+        if me == root:
+            np.copyto(view, raw)
+        segment.sync(frame, deadline)
+        if me != root:
+            np.copyto(raw, view)
+        segment.next_step()
+        return
     if segment.single_copy and buf.nbytes >= SINGLE_COPY_BYTES:
         if me == root:
             segment.lend(buf)
@@ -242,9 +253,16 @@ def _gather_into(segment: SharedSegment, send: np.ndarray, out: Optional[np.ndar
 def shared_all_gather(segment: SharedSegment, send: np.ndarray, out: np.ndarray, frame: Frame,
                       deadline: float) -> None:
     """All-gather: per step each rank copies its piece in, 1 sync, each copies all L pieces
-    out. Copies N in and L*N out per rank (N = one rank's piece). Single copy (L*N >=
+    out (small messages: one step, the L pieces out in one strided copy). Copies N in and L*N
+    out per rank (N = one rank's piece). Single copy (L*N >=
     SINGLE_COPY_BYTES): sync, read the L-1 other pieces from the peers' arrays, sync."""
     piece = send.nbytes
+    if piece * segment.size <= SMALL_BYTES:  # one step: every piece in, sync, all out at once
+        np.copyto(segment.views(piece, np.uint8)[segment.index], _raw(send))
+        segment.sync(frame, deadline)
+        np.copyto(_raw(out).reshape(segment.size, piece), segment.block(piece))
+        segment.next_step()
+        return
     if segment.single_copy and piece * segment.size >= SINGLE_COPY_BYTES:
         result = _raw(out)
         segment.lend(send)
@@ -297,12 +315,25 @@ def _exchange_pieces(segment: SharedSegment, send: Optional[np.ndarray], out: np
 def shared_reduce_scatter(segment: SharedSegment, send: np.ndarray, out: np.ndarray,
                           combine: Combine, frame: Frame, deadline: float) -> None:
     """Reduce-scatter: each rank copies its L pieces in, 1 sync per step, each reduces its
-    own piece from every slot straight into ``out``: copies L*N in, reads L*N (N = piece).
+    own piece from every slot straight into ``out`` (small messages: one step): copies L*N
+    in, reads L*N (N = piece).
     Single copy (L*N >= SINGLE_COPY_BYTES): sync, reduce my piece from the peers' arrays
     into ``out`` (reads (L-1)*N), sync."""
-    piece = out.nbytes
+    piece, me = out.nbytes, segment.index
+    if send.nbytes <= SMALL_BYTES:  # one step: all L pieces in, sync, reduce mine out
+        np.copyto(segment.views(send.nbytes, np.uint8)[me], _raw(send))
+        segment.sync(frame, deadline)
+        mine = segment.views(piece, out.dtype, me * piece)
+        ufunc = getattr(combine, "ufunc", None)
+        if ufunc is not None:  # the first two straight into out (no copy)
+            ufunc(mine[0], mine[1], out=out)
+            for row in mine[2:]:
+                combine(out, row)
+        else:
+            _reduce_into(out, mine, combine)
+        segment.next_step()
+        return
     if segment.single_copy and piece * segment.size >= SINGLE_COPY_BYTES:
-        me = segment.index
         segment.lend(send)
         segment.sync(frame, deadline)
         np.copyto(_raw(out), _raw(send)[me * piece:(me + 1) * piece])

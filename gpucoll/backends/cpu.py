@@ -32,7 +32,6 @@ from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutErro
                       PeerError)
 from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort, ranks_behind
 from ..algorithms import shared as shared_algorithms
-from ..algorithms.hierarchical import hierarchical_all_reduce
 from ..rendezvous.store import PrefixStore, Store
 from ..transports.base import Frame, Recv
 from ..rendezvous import hosts
@@ -41,36 +40,13 @@ from ..transports import select as select_transport
 from ..transports import shm
 from ..transports.base import OP_CODES
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
+from .cpu_shared import SharedMemoryPath
 from ..work import Work
 from . import signature
 from .ordering import Channel, OpOrder
 from .staging import Staged
 
 __all__ = ["CPUCommunicator"]
-
-_SHARED = {
-    "all_reduce": shared_algorithms.shared_all_reduce,
-    "broadcast": shared_algorithms.shared_broadcast,
-    "reduce": shared_algorithms.shared_reduce,
-    "all_gather": shared_algorithms.shared_all_gather,
-    "reduce_scatter": shared_algorithms.shared_reduce_scatter,
-    "gather": shared_algorithms.shared_gather,
-    "scatter": shared_algorithms.shared_scatter,
-    "all_to_all": shared_algorithms.shared_all_to_all,
-}
-_OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp, 1)}
-_ALL_REDUCE_CODE = OP_CODES["all_reduce"]
-_COMBINERS: Dict[tuple, Callable] = {}
-
-
-def _combiner(op: ReduceOp, dtype) -> Callable:
-    """``combine_fn(op, dtype)``, memoized (the small-message path calls it every time)."""
-    key = (op, dtype)
-    fn = _COMBINERS.get(key)
-    if fn is None:
-        fn = _COMBINERS[key] = combine_fn(op, dtype)
-    return fn
-
 
 def _flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1)
@@ -86,7 +62,7 @@ def _selection_bytes(name: str, send, result, size: int) -> int:
     return (send if send is not None else result).nbytes
 
 
-class CPUCommunicator(Communicator):
+class CPUCommunicator(SharedMemoryPath, Communicator):
     """Communicator over NumPy arrays (CuPy arrays are staged through the host)."""
 
     backend = "cpu"
@@ -277,24 +253,6 @@ class CPUCommunicator(Communicator):
     def _frame(self, name: str, seq: int, dtype) -> Frame:
         return Frame(name, seq, wire_code(dtype) if dtype is not None else 0)
 
-    def _run_shared(self, name: str, seq: int, buffers, sample, nbytes: int,
-                    op: Optional[ReduceOp], root: Optional[int], deadline: float) -> None:
-        """The collective through this host's segment (node-aware across hosts)."""
-        frame = self._frame(name, seq, sample.dtype)
-        if self._shared is not None:
-            self._shared.expect((OP_CODES[name], frame.dtype, nbytes,
-                                 -1 if root is None else root, _OP_NUMBERS.get(op, 0)))
-        combine = () if op is None else (combine_fn(op, sample.dtype),)
-        if self._all_shared:
-            extra = (() if root is None else (root,)) + combine
-            _SHARED[name](self._shared, *buffers, *extra, frame, deadline)
-            return
-        leader_fn = algorithms.get("all_reduce", algorithms.select(
-            "all_reduce", sample.nbytes, len(self._leaders), self._override,
-            itemsize=sample.itemsize, ring_threshold=self._ring_threshold))
-        hierarchical_all_reduce(self._shared, self._transport, self._leaders, buffers[0],
-                                combine[0], leader_fn, frame, deadline)
-
     def _algorithm(self, collective: str, nbytes: int, itemsize: int):
         name = algorithms.select(collective, nbytes, self.size, self._override, itemsize=itemsize,
                                  ring_threshold=self._ring_threshold)
@@ -366,36 +324,15 @@ class CPUCommunicator(Communicator):
         return self._submit(name, seq, self._order.all_channels, body, async_op)
 
     def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        if (self._all_shared and not async_op and type(x) is np.ndarray
-                and x.nbytes <= shared_algorithms.SMALL_BYTES and not self._debug
-                and (out is None or type(out) is np.ndarray) and self._order.idle()):
-            return self._small_all_reduce(x, op, out)
+        if self._short_path(x.nbytes, async_op, x, out):
+            return self._short_all_reduce(x, op, out)
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else src
         return self._collective("all_reduce", src, dst, op=op, in_place=True, async_op=async_op)
 
-    def _small_all_reduce(self, x: np.ndarray, op: ReduceOp, out: Optional[np.ndarray]):
-        """The common case without the general machinery: a blocking all-reduce of a small
-        host array on one host, nothing else pending on this communicator (so no queue to
-        wait in). Same checks, results and errors as the general path."""
-        seq = self._next_seq()
-        self._check_alive()
-        result = x if out is None else out
-        if out is not None:
-            np.copyto(out, x)
-        segment, flat = self._shared, result.reshape(-1)
-        frame = Frame("all_reduce", seq, wire_code(x.dtype))
-        segment.expect((_ALL_REDUCE_CODE, frame.dtype, x.nbytes, -1, _OP_NUMBERS[op]))
-        try:
-            shared_algorithms.shared_all_reduce(segment, flat, _combiner(op, x.dtype), frame,
-                                                time.monotonic() + self.timeout)
-        except GpucollError as exc:
-            self._fail("all_reduce", seq, exc, self.timeout)
-        if op is ReduceOp.AVG:
-            finish_avg(flat, self.size)
-        return result
-
     def _broadcast(self, x, root: int, async_op: bool, stream=None):
+        if self._short_path(x.nbytes, async_op, x):
+            return self._short_broadcast(x, root)
         buf = Staged(x, stream)
         return self._collective("broadcast", buf, buf, root=root, in_place=True,
                                 async_op=async_op)
@@ -406,12 +343,16 @@ class CPUCommunicator(Communicator):
         return self._collective("reduce", src, dst, op=op, root=root, async_op=async_op)
 
     def _all_gather(self, x, out, async_op: bool, stream=None):
+        if self._short_path(x.nbytes * self.size, async_op, x, out):
+            return self._short_all_gather(x, out)
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else Staged.empty(
             (self.size,) + src.host.shape, src.host.dtype, like=src, stream=stream)
         return self._collective("all_gather", src, dst, async_op=async_op)
 
     def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        if self._short_path(x.nbytes, async_op, x, out):
+            return self._short_reduce_scatter(x, op, out)
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else Staged.empty(
             src.host.shape[1:], src.host.dtype, like=src, stream=stream)

@@ -51,9 +51,12 @@ from . import cma
 from ..rendezvous.store import Store
 
 __all__ = ["SharedSegment", "open_local_segment", "job_prefix", "sweep_job", "usable_here",
-           "SHM_DIR", "SharedMemoryUnavailable"]
+           "SHM_DIR", "SharedMemoryUnavailable", "MIN_SLOT_BYTES"]
 
 SHM_DIR = "/dev/shm"
+# A slot holds at least this much, so that every small message goes in one step (the
+# collectives' one-sync path for messages up to this size relies on it).
+MIN_SLOT_BYTES = 64 << 10
 _LINE = 16  # int64 per control line
 _COUNTER, _ABORTED, _PID, _SLEEPING, _HEADER, _ADDRESS, _SINGLE_COPY = 0, 1, 2, 3, 4, 10, 11
 _HEADER_FIELDS = 3
@@ -210,15 +213,26 @@ class SharedSegment:
         """Slot of local rank ``local`` in the current buffer set (uint8, ``slot_bytes``)."""
         return self._slots[self._step & 1][local]
 
-    def views(self, nbytes: int, dtype) -> List[np.ndarray]:
-        """The first ``nbytes`` of every slot of the current set as ``dtype`` arrays
-        (memoized: the small-message path asks for the same views again and again)."""
-        key = (self._step & 1, nbytes, dtype)
+    def block(self, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of every slot of the current set as one (local ranks,
+        ``nbytes``) uint8 array, rows in local rank order (memoized, as :meth:`views`)."""
+        key = (self._step & 1, nbytes, None, 0)
         found = self._views.get(key)
         if found is None:
             if len(self._views) > 64:
                 self._views.clear()
-            found = self._views[key] = [slot[:nbytes].view(dtype)
+            found = self._views[key] = self._data[self._step & 1, :, :nbytes]
+        return found
+
+    def views(self, nbytes: int, dtype, start: int = 0) -> List[np.ndarray]:
+        """Bytes ``start`` to ``start + nbytes`` of every slot of the current set as ``dtype``
+        arrays (memoized: the small-message path asks for the same views again and again)."""
+        key = (self._step & 1, nbytes, dtype, start)
+        found = self._views.get(key)
+        if found is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            found = self._views[key] = [slot[start:start + nbytes].view(dtype)
                                         for slot in self._slots[self._step & 1]]
         return found
 
@@ -444,7 +458,7 @@ def open_local_segment(store: Store, rank: int, host_ids: List[str], *, token: s
     mine = host_ids[rank]
     ranks = [r for r, h in enumerate(host_ids) if h == mine]
     index, leader = ranks.index(rank), ranks[0]
-    slot_bytes = max(4096, (int(slot_bytes) + 4095) // 4096 * 4096)
+    slot_bytes = max(MIN_SLOT_BYTES, (int(slot_bytes) + 4095) // 4096 * 4096)
     total = segment_bytes(len(ranks), slot_bytes)
     deadline = time.monotonic() + timeout
     buffer, path, problem = None, None, usable_here()
