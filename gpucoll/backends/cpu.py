@@ -40,7 +40,7 @@ from ..transports import select as select_transport
 from ..transports import shm
 from ..transports.base import OP_CODES
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
-from .cpu_shared import SharedMemoryPath
+from .cpu_shared import NODE_AWARE, SharedMemoryPath
 from ..work import Work
 from . import signature
 from .ordering import Channel, OpOrder
@@ -98,7 +98,8 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
             token=token, timeout=max(deadline - time.monotonic(), 0.001),
             advertise_host=advertise_host, buffer_bytes=socket_buffer, chunk_bytes=chunk_bytes)
         self._shared: Optional[shm.SharedSegment] = None
-        self._leaders: List[int] = []
+        self._leaders: List[int] = []  # node-aware collectives: each host's first rank
+        self._hosts: List[List[int]] = []  # and each host's ranks
         self._all_shared = False
         if size > 1 and select_transport.shared_memory_mode(transport) != "off":
             self._open_shared(host_ids, transport, token, shm_bytes, shm_single_copy, deadline)
@@ -146,10 +147,12 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
                 except GpucollError:
                     self._transport.close()
                     raise
-        leaders = sorted({host_ids.index(h) for h in host_ids})
+        firsts = sorted({host_ids.index(h) for h in host_ids})
         self._all_shared = segment is not None and segment.size == self.size
-        if not self._all_shared and len(leaders) < self.size:
-            self._leaders = leaders
+        if not self._all_shared and len(firsts) < self.size:
+            self._leaders = firsts
+            self._hosts = [[r for r in range(self.size) if host_ids[r] == host_ids[first]]
+                           for first in firsts]
 
     @property
     def transport_kinds(self) -> Dict[int, str]:
@@ -301,7 +304,7 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
             if self.size > 1:
                 buffers = (result,) if in_place else (send, result)
                 sample = send if send is not None else result
-                if self._all_shared or (self._leaders and name == "all_reduce"):
+                if self._all_shared or (self._leaders and name in NODE_AWARE):
                     self._run_shared(name, seq, buffers, sample, signed.host.nbytes, op, root,
                                      deadline)
                 else:

@@ -1,7 +1,7 @@
 """The CPU backend's collectives through this host's shared-memory segment.
 
-:meth:`SharedMemoryPath._run_shared` runs a collective through the segment (``all_reduce``
-node-aware when the communicator spans hosts). The short path is the common case of a
+:meth:`SharedMemoryPath._run_shared` runs a collective through the segment (node-aware when
+the communicator spans hosts: :data:`NODE_AWARE`). The short path is the common case of a
 training loop without the general machinery: a blocking ``all_reduce``, ``broadcast``,
 ``all_gather`` or ``reduce_scatter`` of small host NumPy arrays, on a communicator whose ranks
 all share the segment, with nothing pending on it (so no issue-order queue to wait in). It
@@ -18,12 +18,13 @@ import numpy as np
 
 from .. import algorithms
 from ..algorithms import shared as shared_algorithms
-from ..algorithms.hierarchical import hierarchical_all_reduce
+from ..algorithms.hierarchical import (hierarchical_all_gather, hierarchical_all_reduce,
+                                       hierarchical_broadcast, hierarchical_reduce_scatter)
 from ..errors import GpucollError
 from ..transports.base import OP_CODES, Frame
 from ..types import ReduceOp, combine_fn, finish_avg, wire_code
 
-__all__ = ["SharedMemoryPath", "SHARED_ALGORITHMS", "OP_NUMBERS"]
+__all__ = ["SharedMemoryPath", "SHARED_ALGORITHMS", "OP_NUMBERS", "NODE_AWARE"]
 
 SHARED_ALGORITHMS = {
     "all_reduce": shared_algorithms.shared_all_reduce,
@@ -35,6 +36,9 @@ SHARED_ALGORITHMS = {
     "scatter": shared_algorithms.shared_scatter,
     "all_to_all": shared_algorithms.shared_all_to_all,
 }
+# Across hosts, these run node-aware (shared memory inside a host, sockets between hosts);
+# the others run a socket algorithm over every rank.
+NODE_AWARE = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter"})
 OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp, 1)}
 _COMBINERS: Dict[tuple, Callable] = {}
 _SMALL = shared_algorithms.SMALL_BYTES
@@ -55,7 +59,7 @@ class SharedMemoryPath:
 
     def _run_shared(self, name: str, seq: int, buffers, sample, nbytes: int,
                     op: Optional[ReduceOp], root: Optional[int], deadline: float) -> None:
-        """The collective through this host's segment (node-aware across hosts)."""
+        """The collective through this host's segment (node-aware across hosts: NODE_AWARE)."""
         frame = Frame(name, seq, wire_code(sample.dtype))
         if self._shared is not None:
             self._shared.expect((OP_CODES[name], frame.dtype, nbytes,
@@ -65,11 +69,22 @@ class SharedMemoryPath:
             extra = (() if root is None else (root,)) + combine
             SHARED_ALGORITHMS[name](self._shared, *buffers, *extra, frame, deadline)
             return
-        leader_fn = algorithms.get("all_reduce", algorithms.select(
-            "all_reduce", sample.nbytes, len(self._leaders), self._override,
-            itemsize=sample.itemsize, ring_threshold=self._ring_threshold))
-        hierarchical_all_reduce(self._shared, self._transport, self._leaders, buffers[0],
-                                combine[0], leader_fn, frame, deadline)
+        segment, transport = self._shared, self._transport
+        if name == "all_gather":
+            hierarchical_all_gather(segment, transport, self._hosts, *buffers, frame, deadline)
+        elif name == "reduce_scatter":
+            hierarchical_reduce_scatter(segment, transport, self._hosts, *buffers, *combine,
+                                        frame, deadline)
+        else:  # all_reduce, broadcast: a socket algorithm among one rank per host
+            leader_fn = algorithms.get(name, algorithms.select(
+                name, sample.nbytes, len(self._leaders), self._override,
+                itemsize=sample.itemsize, ring_threshold=self._ring_threshold))
+            if name == "broadcast":
+                hierarchical_broadcast(segment, transport, self._hosts, buffers[0], root,
+                                       leader_fn, frame, deadline)
+            else:
+                hierarchical_all_reduce(segment, transport, self._leaders, buffers[0],
+                                        combine[0], leader_fn, frame, deadline)
 
     # ------------------------------------------------------------------ the short path
     def _short_path(self, nbytes: int, async_op: bool, x, out=None) -> bool:
