@@ -75,3 +75,44 @@ def test_node_aware_collectives_match_numpy_and_keep_host_traffic_local(layout):
             assert not [p for p in peers if layout[p] == layout[rank]], (rank, op, peers)
             if op != "broadcast":  # a broadcast's root stands in for its host's leader
                 assert rank in leaders or not peers, (rank, op, peers)
+
+
+def rank_dies_during_node_aware(rank, size, url, host_ids, collective, victim):
+    import time
+
+    import gpucoll
+    from gpucoll import GpucollError
+
+    os.environ["GPUCOLL_HOST_ID"] = host_ids[rank]
+    comm = gpucoll.init(backend="cpu", rank=rank, world_size=size, url=url, timeout=10)
+    x = np.ones(50_000, np.float32)
+    calls = {"broadcast": lambda: comm.broadcast(x, root=0),
+             "all_gather": lambda: comm.all_gather(x),
+             "reduce_scatter": lambda: comm.reduce_scatter(np.ones((size, 50_000), np.float32))}
+    calls[collective]()
+    if rank == victim:
+        os._exit(7)
+    start = time.monotonic()
+    try:
+        for _ in range(5):
+            calls[collective]()
+    except GpucollError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None
+
+
+@pytest.mark.parametrize("collective", ["broadcast", "all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("victim", [1, 2], ids=["non-leader", "leader"])
+def test_a_rank_dying_in_a_node_aware_collective_is_named_on_every_survivor(collective, victim):
+    layout = "aabb"
+    survivors = [r for r in range(4) if r != victim]
+    results = run_ranks(rank_dies_during_node_aware, 4, list(layout), collective, victim,
+                        init=False, timeout=60, ranks=survivors)
+    assert len(results) == len(survivors)
+    for rank, result in zip(survivors, results):
+        assert result is not None, f"rank {rank} finished without an error"
+        kind, message, waited = result
+        assert kind in ("PeerError", "CommAbortedError"), (rank, kind, message)
+        assert waited < 9.0, (rank, waited, message)  # well before the 10 s timeout
+        assert f"peer {victim}" in message or f"[{victim}]" in message or "aborted" in message, \
+            (rank, message)
