@@ -36,7 +36,17 @@ UNSTEADY_SPREAD = 2.0  # an entry is "unsteady" when its slowest round took more
 # ---------------------------------------------------------------- measuring (every rank)
 def _timed(run: Callable[[], None], sync: Callable[[], None], barrier: Callable[[], None],
            iters: int, warmup: int) -> float:
-    """Seconds per iteration of ``run`` after ``warmup`` untimed calls."""
+    """Seconds per iteration of ``run`` after ``warmup`` untimed calls.
+
+    Repeated in-place reductions overflow (sums double per call, as in nccl-tests); the
+    results of timed calls are not checked, so NumPy's overflow warnings are silenced here.
+    """
+    with np.errstate(all="ignore"):
+        return _timed_quietly(run, sync, barrier, iters, warmup)
+
+
+def _timed_quietly(run: Callable[[], None], sync: Callable[[], None],
+                   barrier: Callable[[], None], iters: int, warmup: int) -> float:
     for _ in range(warmup):
         run()
     sync()
@@ -153,8 +163,9 @@ def _play(variants: List[_Variant], iters: int, warmup: int, rounds: int, shift:
 
     for index in order(shift):
         variants[index].fill(variants[index].seed)
-        for _ in range(warmup):
-            variants[index].run()
+        with np.errstate(all="ignore"):  # see _timed
+            for _ in range(warmup):
+                variants[index].run()
         variants[index].sync()
     for round_index in range(rounds):
         for index in order(shift + round_index):
