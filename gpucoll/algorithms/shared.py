@@ -82,6 +82,18 @@ def _reduce_into(dst: np.ndarray, sources, combine: Combine) -> None:
         combine(dst, source)
 
 
+def _reduce_views(dst: np.ndarray, views, combine: Combine) -> None:
+    """:func:`_reduce_into` over two or more slot views, the first two straight into ``dst``
+    (no copy) where ``combine`` is a plain ufunc."""
+    ufunc = getattr(combine, "ufunc", None)
+    if ufunc is None:
+        _reduce_into(dst, views, combine)
+        return
+    ufunc(views[0], views[1], out=dst)
+    for view in views[2:]:
+        combine(dst, view)
+
+
 def _reduce_from_peers(segment: SharedSegment, target: np.ndarray, offset: int,
                        combine: Combine, frame: Frame) -> None:
     """``target (op)=`` the bytes at ``offset`` of every peer's lent array, chunk by chunk
@@ -132,13 +144,7 @@ def shared_all_reduce(segment: SharedSegment, buf: np.ndarray, combine: Combine,
         views = segment.views(total, dtype)
         np.copyto(views[me], buf)
         segment.sync(frame, deadline)
-        ufunc = getattr(combine, "ufunc", None)
-        if ufunc is not None:  # the first two straight into buf (no copy)
-            ufunc(views[0], views[1], out=buf)
-            for view in views[2:]:
-                combine(buf, view)
-        else:
-            _reduce_into(buf, views, combine)
+        _reduce_views(buf, views, combine)
         segment.next_step()
         return
     if segment.single_copy and total >= SINGLE_COPY_BYTES:
@@ -323,14 +329,7 @@ def shared_reduce_scatter(segment: SharedSegment, send: np.ndarray, out: np.ndar
     if send.nbytes <= SMALL_BYTES:  # one step: all L pieces in, sync, reduce mine out
         np.copyto(segment.views(send.nbytes, np.uint8)[me], _raw(send))
         segment.sync(frame, deadline)
-        mine = segment.views(piece, out.dtype, me * piece)
-        ufunc = getattr(combine, "ufunc", None)
-        if ufunc is not None:  # the first two straight into out (no copy)
-            ufunc(mine[0], mine[1], out=out)
-            for row in mine[2:]:
-                combine(out, row)
-        else:
-            _reduce_into(out, mine, combine)
+        _reduce_views(out, segment.views(piece, out.dtype, me * piece), combine)
         segment.next_step()
         return
     if segment.single_copy and piece * segment.size >= SINGLE_COPY_BYTES:
