@@ -127,6 +127,37 @@ def test_strangers_are_refused_and_the_mesh_still_forms():
             t.close()
 
 
+def test_a_silent_stranger_delays_nobody():
+    """A connection that never says a word (a port scanner, a stuck client) must not hold up
+    the peers behind it: handshakes run side by side, each bounded on its own."""
+    import json
+
+    silent = []
+
+    def knock_and_stay_silent(store):
+        info = json.loads(store.get("addr/0", 10))
+        for family, address in ((socket.AF_INET, tuple(info["tcp"])),
+                                (socket.AF_UNIX, "\0" + info["unix"])):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.connect(address)
+            silent.append(sock)
+
+    start = time.monotonic()
+    transports, errors = _mesh(3, "auto", before=knock_and_stay_silent)
+    took = time.monotonic() - start
+    try:
+        assert errors == [None] * 3
+        assert took < auth.HANDSHAKE_TIMEOUT / 2, f"the mesh waited {took:.1f} s behind a stranger"
+        results, errs = _run(transports, _ring_step)
+        assert errs == [None] * 3
+    finally:
+        for sock in silent:
+            sock.close()
+        for t in transports:
+            if t is not None:
+                t.close()
+
+
 def test_pipelined_reduce_in_small_chunks():
     transports, errors = _mesh(2, chunk_bytes=1003)  # cut at 1003 - 1003 % 8 = 1000 bytes
     assert errors == [None, None]

@@ -257,40 +257,69 @@ class SocketTransport(Transport):
 
     @staticmethod
     def _accept_peers(listeners, expected, accepted, errors, comm_id, token, deadline, stop):
+        """Accept until every expected peer has connected. Each connection's handshake runs
+        in a thread of its own, so a stranger that connects and stays silent delays nobody."""
+        lock = threading.Lock()
+        finished = []  # set (non-empty) when this returns: late handshakes then close
+        wake_reader, wake_writer = socket.socketpair()  # a handshake done wakes the poll
+
+        def handshake(sock, kind, remaining):
+            try:
+                sock.setblocking(True)
+                limit = min(auth.HANDSHAKE_TIMEOUT, max(remaining, 0.1))
+                auth.server_handshake(sock, token, auth.KIND_TRANSPORT, limit)
+                hello_deadline = time.monotonic() + limit
+                peer, cid_len = _HELLO.unpack(auth.recv_exact(sock, _HELLO.size, hello_deadline))
+                if cid_len > 4096:
+                    raise auth.HandshakeError("comm id too long")
+                cid = auth.recv_exact(sock, cid_len, hello_deadline).decode(errors="replace")
+                with lock:
+                    if finished or cid != comm_id or peer not in expected or peer in accepted:
+                        raise auth.HandshakeError(
+                            f"unexpected connection (rank {peer}, comm {cid!r})")
+                    sock.sendall(auth.ACCEPTED)
+                    accepted[peer] = (sock, kind)
+            except (auth.HandshakeError, OSError, struct.error):
+                sock.close()
+                return
+            try:
+                wake_writer.send(b"!")
+            except OSError:  # closed: the accept loop is over
+                pass
+
         try:
             selector_map = {listener.fileno(): (kind, listener) for kind, listener in listeners}
             poller = select.poll()
-            for fd in selector_map:
+            for fd in list(selector_map) + [wake_reader.fileno()]:
                 poller.register(fd, select.POLLIN)
-            while expected - set(accepted):
+            while True:
+                with lock:
+                    if not expected - set(accepted):
+                        finished.append(True)
+                        return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or stop.is_set():
-                    for sock, _ in accepted.values():
-                        sock.close()
+                    with lock:
+                        finished.append(True)
+                        for sock, _ in accepted.values():
+                            sock.close()
                     return
                 for fd, _ in poller.poll(min(remaining, 0.5) * 1000):
+                    if fd == wake_reader.fileno():
+                        wake_reader.recv(4096)
+                        continue
                     kind, listener = selector_map[fd]
                     try:
                         sock, _ = listener.accept()
                     except OSError:
                         continue
-                    try:
-                        sock.setblocking(True)
-                        auth.server_handshake(sock, token, auth.KIND_TRANSPORT,
-                                              min(auth.HANDSHAKE_TIMEOUT, max(remaining, 0.1)))
-                        hello_deadline = time.monotonic() + min(auth.HANDSHAKE_TIMEOUT, remaining)
-                        peer, cid_len = _HELLO.unpack(auth.recv_exact(sock, _HELLO.size, hello_deadline))
-                        if cid_len > 4096:
-                            raise auth.HandshakeError("comm id too long")
-                        cid = auth.recv_exact(sock, cid_len, hello_deadline).decode(errors="replace")
-                        if cid != comm_id or peer not in expected or peer in accepted:
-                            raise auth.HandshakeError(f"unexpected connection (rank {peer}, comm {cid!r})")
-                        sock.sendall(auth.ACCEPTED)
-                        accepted[peer] = (sock, kind)
-                    except (auth.HandshakeError, OSError, struct.error):
-                        sock.close()
+                    threading.Thread(target=handshake, args=(sock, kind, remaining),
+                                     name="gpucoll-handshake", daemon=True).start()
         except BaseException as exc:  # reported to the connecting thread
             errors.append(exc)
+        finally:
+            wake_reader.close()
+            wake_writer.close()
 
     # ------------------------------------------------------------------ data path
     def _peer_sock(self, peer: int, frame: Frame) -> socket.socket:
