@@ -13,7 +13,7 @@ from mp_harness import run_ranks
 from reference import assert_equal_result, make_input, reduce_reference
 
 pytestmark = pytest.mark.timeout(120)
-COUNTS = [1, 13, 100_003]  # one step, and several 64 KiB steps
+COUNTS = [0, 1, 13, 100_003]  # empty, one step, and several 64 KiB steps
 LAYOUTS = {"two-hosts": "aabb", "interleaved": "aba", "uneven": "aaab", "alone": "abcc"}
 
 
