@@ -327,14 +327,14 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
         return self._submit(name, seq, self._order.all_channels, body, async_op)
 
     def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        if self._short_path(x.nbytes, async_op, x, out):
+        if self._short_path(async_op, x, out):
             return self._short_all_reduce(x, op, out)
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else src
         return self._collective("all_reduce", src, dst, op=op, in_place=True, async_op=async_op)
 
     def _broadcast(self, x, root: int, async_op: bool, stream=None):
-        if self._short_path(x.nbytes, async_op, x):
+        if self._short_path(async_op, x):
             return self._short_broadcast(x, root)
         buf = Staged(x, stream)
         return self._collective("broadcast", buf, buf, root=root, in_place=True,
@@ -346,7 +346,7 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
         return self._collective("reduce", src, dst, op=op, root=root, async_op=async_op)
 
     def _all_gather(self, x, out, async_op: bool, stream=None):
-        if self._short_path(x.nbytes * self.size, async_op, x, out):
+        if self._short_path(async_op, x, out, self.size):
             return self._short_all_gather(x, out)
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else Staged.empty(
@@ -354,7 +354,7 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
         return self._collective("all_gather", src, dst, async_op=async_op)
 
     def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        if self._short_path(x.nbytes, async_op, x, out):
+        if self._short_path(async_op, x, out):
             return self._short_reduce_scatter(x, op, out)
         src = Staged(x, stream)
         dst = Staged(out, stream) if out is not None else Staged.empty(

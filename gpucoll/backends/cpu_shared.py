@@ -87,12 +87,13 @@ class SharedMemoryPath:
                                         combine[0], leader_fn, frame, deadline)
 
     # ------------------------------------------------------------------ the short path
-    def _short_path(self, nbytes: int, async_op: bool, x, out=None) -> bool:
-        """May this call take the short path? ``nbytes``: what the segment carries per rank;
-        ``x``, ``out``: the arrays as the backend sees them (``out`` None: a new one)."""
-        return (nbytes <= _SMALL and self._all_shared and not async_op and not self._debug
-                and type(x) is np.ndarray and (out is None or type(out) is np.ndarray)
-                and self._order.idle())
+    def _short_path(self, async_op: bool, x, out=None, pieces: int = 1) -> bool:
+        """May this call take the short path? ``x``, ``out``: the arrays as the backend sees
+        them (``out`` None: a new one); ``pieces`` x ``x.nbytes``: what the segment carries
+        per rank."""
+        return (self._all_shared and not async_op and not self._debug
+                and type(x) is np.ndarray and x.nbytes * pieces <= _SMALL
+                and (out is None or type(out) is np.ndarray) and self._order.idle())
 
     def _short(self, name: str, buffers, sample: np.ndarray, nbytes: int,
                op: Optional[ReduceOp] = None, root: Optional[int] = None) -> None:
