@@ -1,6 +1,7 @@
 """gpucoll: GPU-native collectives for Python.
 
-NCCL through CuPy on GPUs; a NumPy-over-sockets backend with the same API everywhere else.
+NCCL through CuPy on GPUs; with the same API, a CPU backend for NumPy arrays (shared memory
+between ranks of one host, sockets between hosts) and MPI through mpi4py.
 
     import gpucoll as gc
     comm = gc.init()            # under `gpucoll run -n 4 script.py`, torchrun, mpiexec or srun

@@ -126,8 +126,8 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         store: an existing ``gpucoll.rendezvous.Store`` to use instead of ``url``.
         device: NCCL backend: the GPU to use (default GPUCOLL_DEVICE, else the local rank
             modulo the number of GPUs).
-        transport: CPU backend: how to reach peers, "auto", "tcp" or "unix" (default
-            GPUCOLL_TRANSPORT; see ``gpucoll.transports.select``).
+        transport: CPU backend: how to reach peers, "auto", "shm", "socket", "tcp" or "unix"
+            (default GPUCOLL_TRANSPORT; see ``gpucoll.transports.select``).
         set_default: make the communicator the default one (``gpucoll.get_rank()``,
             ``gpucoll.default()``...; see ``gpucoll.default_comm``).
 
@@ -142,6 +142,9 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         ValueError: rank/size missing or inconsistent, bad URL.
         BackendUnavailableError: the backend cannot run here (the message says what to install).
         CommTimeoutError: not every rank joined in time (the missing ranks are named).
+        AuthenticationError: the store refused this rank's GPUCOLL_AUTH_TOKEN.
+        SharedMemoryUnavailable: transport "shm" and this host's segment could not be set up
+            (an ``OSError``; "auto" falls back to sockets with a warning instead).
 
     Example::
 
