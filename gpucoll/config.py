@@ -143,9 +143,10 @@ _GPUCOLL = [
             "Set by `gpucoll run`: the launcher serves the store at MASTER_ADDR:MASTER_PORT, so "
             "rank 0 does not start one."),
     Setting("GPUCOLL_LAUNCHER_PID", int, None,
-            "Set by `gpucoll run` and `gc.spawn`: the launcher's process id. `init()` in a rank "
-            "then stops the rank when that process dies, even by SIGKILL (SIGTERM, then SIGKILL "
-            "after `GPUCOLL_ORPHAN_GRACE`); unset (torchrun, mpiexec, srun): no such guard."),
+            "Set by `gpucoll run`, `gc.spawn` and `gpucoll bench`: the launcher's process id. "
+            "`init()` in a rank then stops the rank when that process dies, even by SIGKILL "
+            "(SIGTERM, then SIGKILL after `GPUCOLL_ORPHAN_GRACE`); unset (torchrun, mpiexec, "
+            "srun): no such guard."),
     Setting("GPUCOLL_LAUNCHER_PID_NAMESPACE", str, "",
             "Set with `GPUCOLL_LAUNCHER_PID`: the launcher's pid namespace (`pid:[4026531836]`). "
             "A rank in another one (a container with its own pids) is not guarded."),

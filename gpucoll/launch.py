@@ -27,7 +27,9 @@ rank that started it. With ``elastic`` a rank that fails or is killed does not s
 the launcher records its death in the store (so ``comm.shrink()`` on the survivors need not
 wait for it), and the job succeeds when the survivors exit 0; it is stopped as above when
 fewer than ``min_ranks`` ranks remain. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
-the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124.
+the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124. A launcher
+killed outright (SIGKILL) cannot; its ranks then stop themselves (:mod:`gpucoll.orphan_guard`),
+and a launcher that is itself a rank of another one stops as on SIGTERM when that one dies.
 
 Example::
 
@@ -58,7 +60,7 @@ from .launch_signals import SignalTrap as _SignalTrap
 from .launch_signals import describe_exit, exit_code_of  # noqa: F401  (re-exported)
 from .launch_signals import signal_group as _signal_group
 from .launch_signals import signal_name as _signal_name
-from .orphan_guard import launcher_variables
+from .orphan_guard import guard_rank, launcher_variables
 
 __all__ = [
     "LaunchConfig",
@@ -495,6 +497,7 @@ class _Job:
     def run(self) -> int:
         plan = self.plan
         with _SignalTrap() as trap:
+            guard_rank()  # a nested launcher is a rank of the outer one: stop when that dies
             server = None
             port = plan.port
             if plan.bind_host is not None:

@@ -19,7 +19,9 @@ the rank, then:
   Python), opens a pidfd on the launcher (``os.pidfd_open``: exact, a pid that is reused later
   cannot fool it) after checking that the pid is one of the rank's ancestors, and a daemon
   thread waits on it. Where pidfds are unavailable (Linux before 5.3, some seccomp profiles) the
-  thread checks the ancestry every :data:`POLL_INTERVAL` seconds instead.
+  thread checks the ancestry every :data:`POLL_INTERVAL` seconds instead. Without ``/proc``
+  and ``prctl`` (macOS) only a rank whose parent is the launcher is guarded, by polling its
+  parent's pid.
 - when the launcher is already gone at ``init()`` (its pid is no ancestor and no live process
   that started before the rank), the rank stops at once, before it waits on a store that died
   with the launcher.

@@ -5,8 +5,9 @@ The calling process serves the rendezvous store (loopback, a fresh auth token) a
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
 GPUCOLL_AUTH_TOKEN, GPUCOLL_LAUNCHER_STORE=1, GPUCOLL_LAUNCHER_PID and, for several ranks, the
 thread default of :mod:`gpucoll.launch_program`). The processes start from the calling thread,
-which returns only after they are reaped, so their parent-death signal (:mod:`gpucoll.
-orphan_guard`) fires only when the caller dies: killed outright, it takes its ranks with it. Each process makes a communicator with ``gc.init`` and calls
+which returns only after they are reaped, so their parent-death signal
+(:mod:`gpucoll.orphan_guard`) fires only when the caller dies: killed outright, it takes its
+ranks with it. Each process makes a communicator with ``gc.init`` and calls
 ``fn(comm, *args)`` inside ``with comm:``; the return values come back in rank order. When a
 rank fails, the others are stopped and one :class:`SpawnError` carries the root cause: the
 first failure that is not a consequence of another rank's (a ``PeerError`` or

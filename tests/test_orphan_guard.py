@@ -263,7 +263,8 @@ def test_a_rank_whose_launcher_is_already_gone_stops_at_once():
 def test_init_guards_a_rank_before_it_waits_on_the_store():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(10)
-    code = "import gpucoll as gc; gc.init(backend='cpu', rank=1, world_size=2, url='tcp://127.0.0.1:9', timeout=30)"
+    code = ("import gpucoll as gc; gc.init(backend='cpu', rank=1, world_size=2, "
+            "url='tcp://127.0.0.1:9', timeout=30)")
     start = time.monotonic()
     result = _guard_in_child(dead.pid, code=code)
     assert time.monotonic() - start < DEADLINE  # not the 30 s store timeout
@@ -276,3 +277,24 @@ def test_import_starts_no_thread():
             "print(sorted(t.name for t in threading.enumerate()))")
     result = _guard_in_child(os.getpid(), code=code)
     assert result.stdout == "['MainThread']\n", result.stderr
+
+
+def test_a_nested_launcher_stops_its_ranks_when_the_outer_one_dies(tmp_path: Path):
+    token = secrets.token_hex(8)
+    outer = subprocess.Popen(
+        [sys.executable, "-m", "gpucoll", "run", "-n", "1", "-m", "gpucoll", "run", "-n", "2",
+         RANK_SCRIPT, str(tmp_path)], cwd=ROOT, env=_env(GPUCOLL_AUTH_TOKEN=token),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids: Dict[str, int] = {}
+    try:
+        pids = _wait_for_pids(tmp_path, 2, outer)
+        with open(f"/proc/{pids['rank0.pid']}/stat") as handle:
+            pids["inner launcher"] = int(handle.read().rsplit(")", 1)[1].split()[1])
+        assert pids["inner launcher"] != outer.pid
+        outer.kill()
+        outer.wait(5)
+        _seconds_until_gone(pids)
+    finally:
+        _kill([outer.pid, *pids.values()])
+        outer.wait(5)
+        outer.stderr.close()
