@@ -9,8 +9,9 @@ every millisecond; a zombie counts as gone), capped at ``--cap`` seconds. Cases:
 - ``gpucoll run ./job.sh``, the rank a child of a shell (a pidfd on the launcher), and the
   same with ``os.pidfd_open`` hidden (polling the ancestry every 0.5 s);
 - ``gc.spawn`` (the caller is SIGKILLed);
-- the peer: ``torchrun --nproc-per-node 2`` with the same rank program (no gpucoll launcher
-  variables, so no guard: what torchrun itself does), when torchrun is installed.
+- the peers, with the same rank program (no gpucoll launcher variables there, so no guard:
+  what the launcher itself does): ``torchrun --nproc-per-node 2`` and Open MPI's
+  ``mpirun -n 2``, each when installed.
 
 Usage::
 
@@ -28,12 +29,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import socket
 import textwrap
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from clusters import mpirun_command, mpirun_env  # noqa: E402
+
 SCRIPTS = ROOT / "tests" / "scripts"
 RANK_SCRIPT = str(SCRIPTS / "orphan_rank.py")
 JOB_SCRIPT = str(SCRIPTS / "orphan_job.sh")
@@ -73,9 +80,16 @@ def _pids(piddir: str) -> Dict[str, int]:
             if name.endswith(".pid")}
 
 
-def trial(command: List[str], ranks: int, cap: float) -> Optional[float]:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def trial(command: List[str], ranks: int, cap: float,
+          extra_env: Optional[Dict[str, str]] = None) -> Optional[float]:
     """Seconds from the launcher's SIGKILL to its last rank gone; None past ``cap``."""
-    env = {key: value for key, value in os.environ.items() if key not in _OUTER}
+    env = {key: value for key, value in (extra_env or os.environ).items() if key not in _OUTER}
     env.update(PYTHONPATH=str(ROOT), ORPHAN_PYTHON=sys.executable)
     with tempfile.TemporaryDirectory() as piddir:
         argv = [part.replace("PIDDIR", piddir) for part in command]
@@ -122,14 +136,25 @@ def main() -> None:
             "gpucoll run ./job.sh, no pidfd (polling)": run + [JOB_SCRIPT, "PIDDIR", "--no-pidfd"],
             "gc.spawn (caller SIGKILLed)": [sys.executable, str(caller), "PIDDIR"],
         }
+        envs: Dict[str, Dict[str, str]] = {}
         torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
         if torchrun:
             cases["peer: torchrun --nproc-per-node 2"] = [torchrun, "--nproc-per-node", "2",
                                                           RANK_SCRIPT, "PIDDIR"]
+        mpirun, _ = mpirun_command(2)
+        if mpirun:
+            cases["peer: mpirun -n 2 (Open MPI)"] = [*mpirun, sys.executable, RANK_SCRIPT,
+                                                     "PIDDIR"]
+            envs["peer: mpirun -n 2 (Open MPI)"] = mpirun_env()
         print(f"{'case':<52} {'median ms':>10} {'max ms':>10}  trials (ms; '-' = alive after "
               f"{opts.cap:g} s)")
         for name, command in cases.items():
-            times = [trial(command, 2, opts.cap) for _ in range(opts.trials)]
+            times = []
+            for _ in range(opts.trials):
+                env = envs.get(name)
+                if env is not None:
+                    env = {**env, "MASTER_PORT": str(_free_port())}
+                times.append(trial(command, 2, opts.cap, env))
             done = [t for t in times if t is not None]
             median = f"{statistics.median(done) * 1e3:.1f}" if len(done) == len(times) else "-"
             worst = f"{max(done) * 1e3:.1f}" if len(done) == len(times) else "-"
