@@ -226,7 +226,9 @@ def guard_rank() -> Optional[str]:
             by_kernel = _set_parent_death_signal(signal.SIGTERM)
             watch = _Watch(launcher, True, _open_pidfd(launcher), by_kernel, grace)
             how = "parent-death signal" if by_kernel else "polling"
-            if watch.gone():
+            if watch.gone():  # the kernel may not have signalled: the thread does
+                if watch.pidfd is not None:
+                    os.close(watch.pidfd)
                 watch.pidfd, watch.sent_by_kernel, how = None, False, "gone"
             elif not by_kernel and watch.pidfd is not None:
                 how = "pidfd"
