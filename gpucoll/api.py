@@ -154,6 +154,9 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     log.setLevel(config.get("GPUCOLL_LOG_LEVEL").upper())
     for message in config.unknown_name_warnings():
         warnings.warn(message, stacklevel=2)
+    from .orphan_guard import guard_rank
+
+    guard_rank()  # started by `gpucoll run` or gc.spawn: stop when that launcher dies
     env = detect_environment()
     alone = rank is None and world_size is None and env.source == "none"
     rank = env.rank if rank is None else rank

@@ -142,6 +142,17 @@ _GPUCOLL = [
     Setting("GPUCOLL_LAUNCHER_STORE", _parse_bool, False,
             "Set by `gpucoll run`: the launcher serves the store at MASTER_ADDR:MASTER_PORT, so "
             "rank 0 does not start one."),
+    Setting("GPUCOLL_LAUNCHER_PID", int, None,
+            "Set by `gpucoll run`, `gc.spawn` and `gpucoll bench`: the launcher's process id. "
+            "`init()` in a rank then stops the rank when that process dies, even by SIGKILL "
+            "(SIGTERM, then SIGKILL after `GPUCOLL_ORPHAN_GRACE`); unset (torchrun, mpiexec, "
+            "srun): no such guard."),
+    Setting("GPUCOLL_LAUNCHER_PID_NAMESPACE", str, "",
+            "Set with `GPUCOLL_LAUNCHER_PID`: the launcher's pid namespace (`pid:[4026531836]`). "
+            "A rank in another one (a container with its own pids) is not guarded."),
+    Setting("GPUCOLL_ORPHAN_GRACE", float, 3.0,
+            "Seconds between the SIGTERM and the SIGKILL a rank gets when its launcher died "
+            "(time for a SIGTERM handler to save a checkpoint)."),
     Setting("GPUCOLL_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "Level of the `gpucoll` logger."),
     Setting("GPUCOLL_QUIET", _parse_bool, False,

@@ -10,6 +10,7 @@ that). The torchrun variables are set::
     RANK = node_rank * nproc + local_rank     WORLD_SIZE = nnodes * nproc
     LOCAL_RANK, LOCAL_WORLD_SIZE = nproc, GROUP_RANK = node_rank
     MASTER_ADDR, MASTER_PORT, GPUCOLL_AUTH_TOKEN, GPUCOLL_LAUNCHER_STORE=1, PYTHONUNBUFFERED=1
+    GPUCOLL_LAUNCHER_PID, GPUCOLL_LAUNCHER_PID_NAMESPACE   (see gpucoll.orphan_guard)
 
 and, when several ranks share the node and the user set none of them, ``OMP_NUM_THREADS=1``
 and the BLAS thread variables (said once on stderr), so the ranks' math libraries do not
@@ -26,7 +27,9 @@ rank that started it. With ``elastic`` a rank that fails or is killed does not s
 the launcher records its death in the store (so ``comm.shrink()`` on the survivors need not
 wait for it), and the job succeeds when the survivors exit 0; it is stopped as above when
 fewer than ``min_ranks`` ranks remain. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
-the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124.
+the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124. A launcher
+killed outright (SIGKILL) cannot; its ranks then stop themselves (:mod:`gpucoll.orphan_guard`),
+and a launcher that is itself a rank of another one stops as on SIGTERM when that one dies.
 
 Example::
 
@@ -57,6 +60,7 @@ from .launch_signals import SignalTrap as _SignalTrap
 from .launch_signals import describe_exit, exit_code_of  # noqa: F401  (re-exported)
 from .launch_signals import signal_group as _signal_group
 from .launch_signals import signal_name as _signal_name
+from .orphan_guard import guard_rank, launcher_variables
 
 __all__ = [
     "LaunchConfig",
@@ -318,6 +322,7 @@ class _Job:
             "GPUCOLL_AUTH_TOKEN": plan.token,
             "GPUCOLL_LAUNCHER_STORE": "1",
             "PYTHONUNBUFFERED": "1",
+            **launcher_variables(),
         })
         if self.limit_threads:
             env.update({name: "1" for name in THREAD_VARIABLES})
@@ -329,6 +334,9 @@ class _Job:
         return limits_threads(self.cfg.nproc, self.plan.base_env)
 
     def _spawn(self, port: int, trap: _SignalTrap) -> None:
+        """Start the ranks from the calling thread: a rank's parent-death signal (see
+        gpucoll.orphan_guard) fires when the thread that forked it ends, and this thread
+        returns from :func:`run_job` only after every rank is reaped."""
         for local_rank in range(self.cfg.nproc):
             if trap.received:
                 return
@@ -489,6 +497,7 @@ class _Job:
     def run(self) -> int:
         plan = self.plan
         with _SignalTrap() as trap:
+            guard_rank()  # a nested launcher is a rank of the outer one: stop when that dies
             server = None
             port = plan.port
             if plan.bind_host is not None:

@@ -3,8 +3,11 @@
 The calling process serves the rendezvous store (loopback, a fresh auth token) and starts
 ``nprocs`` processes with the ``spawn`` start method and the variables ``gpucoll run`` sets
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
-GPUCOLL_AUTH_TOKEN, GPUCOLL_LAUNCHER_STORE=1 and, for several ranks, the thread default of
-:mod:`gpucoll.launch_program`). Each process makes a communicator with ``gc.init`` and calls
+GPUCOLL_AUTH_TOKEN, GPUCOLL_LAUNCHER_STORE=1, GPUCOLL_LAUNCHER_PID and, for several ranks, the
+thread default of :mod:`gpucoll.launch_program`). The processes start from the calling thread,
+which returns only after they are reaped, so their parent-death signal
+(:mod:`gpucoll.orphan_guard`) fires only when the caller dies: killed outright, it takes its
+ranks with it. Each process makes a communicator with ``gc.init`` and calls
 ``fn(comm, *args)`` inside ``with comm:``; the return values come back in rank order. When a
 rank fails, the others are stopped and one :class:`SpawnError` carries the root cause: the
 first failure that is not a consequence of another rank's (a ``PeerError`` or
@@ -42,6 +45,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from .errors import GpucollError
 from .launch_program import THREAD_VARIABLES, limits_threads, thread_notice
+from .orphan_guard import launcher_variables
 
 __all__ = ["spawn", "SpawnError"]
 
@@ -120,7 +124,7 @@ def _rank_env(rank: int, nprocs: int, port: int, token: str, env: Mapping[str, s
     values = {"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
               "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
               "MASTER_PORT": str(port), "GPUCOLL_AUTH_TOKEN": token,
-              "GPUCOLL_LAUNCHER_STORE": "1", "PYTHONUNBUFFERED": "1"}
+              "GPUCOLL_LAUNCHER_STORE": "1", "PYTHONUNBUFFERED": "1", **launcher_variables()}
     if threads:
         values.update({name: "1" for name in THREAD_VARIABLES})
     values.update(env)

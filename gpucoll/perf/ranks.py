@@ -115,12 +115,15 @@ def _spawn_all(opts: BenchOptions, reporter: Reporter) -> None:
     import multiprocessing
     import secrets
 
+    from ..orphan_guard import launcher_variables
     from ..rendezvous import TCPStoreServer
 
     nranks = opts.nranks or 1
     token = secrets.token_hex(16)
     server = TCPStoreServer("127.0.0.1", 0, token=token)
-    env = {"GPUCOLL_AUTH_TOKEN": token, "GPUCOLL_LAUNCHER_STORE": "1"}
+    # the ranks stop if this process is killed outright (started from this thread, which
+    # waits for them: see gpucoll.orphan_guard)
+    env = {"GPUCOLL_AUTH_TOKEN": token, "GPUCOLL_LAUNCHER_STORE": "1", **launcher_variables()}
     ctx = multiprocessing.get_context("spawn")
     events = ctx.Queue()
     url = f"tcp://127.0.0.1:{server.port}"
