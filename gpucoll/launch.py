@@ -18,8 +18,9 @@ oversubscribe the cores.
 
 Everything a rank writes is copied to the launcher's stdout or stderr with a ``[rank R] ``
 prefix as soon as a line ends with ``\n`` or ``\r`` (progress bars stay live). The first rank
-that exits non-zero stops the job: every other rank's process group gets SIGTERM, then SIGKILL
-after a grace period, and the launcher ends with the root cause's exit code and the last lines
+that exits non-zero stops the job: the others get up to ``PEER_REPORT_WAIT`` seconds to end on
+their own (a peer's abort reaches them within milliseconds, and their errors say why), then
+every other rank's process group gets SIGTERM, then SIGKILL after a grace period, and the launcher ends with the root cause's exit code and the last lines
 of its stderr. The root cause is the first failure that is not a consequence of another rank's
 (a rank whose last error is gpucoll's ``PeerError`` or ``CommAbortedError`` failed because a
 peer did): after such a failure the launcher waits up to ``ROOT_CAUSE_WAIT`` seconds for the
@@ -43,19 +44,19 @@ import collections
 import os
 import queue
 import re
-import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Deque, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from . import config
 from .cliutil import UsageError
 from .errors import StoreError
-from .launch_program import THREAD_VARIABLES, limits_threads, program_command, thread_notice
+from .launch_config import DEFAULT_MULTI_NODE_PORT, KILL_GRACE, LaunchConfig  # noqa: F401
+from .launch_config import Plan as _Plan
+from .launch_config import plan_launch as _plan
+from .launch_program import THREAD_VARIABLES, limits_threads, thread_notice
 from .launch_signals import SignalTrap as _SignalTrap
 from .launch_signals import describe_exit, exit_code_of  # noqa: F401  (re-exported)
 from .launch_signals import signal_group as _signal_group
@@ -74,12 +75,10 @@ __all__ = [
     "STDERR_TAIL_LINES",
     "EXIT_TIMEOUT",
     "ROOT_CAUSE_WAIT",
+    "PEER_REPORT_WAIT",
     "THREAD_VARIABLES",
 ]
 
-DEFAULT_MULTI_NODE_PORT = 29500
-KILL_GRACE = 3.0
-"""Seconds between SIGTERM and SIGKILL when ranks are stopped."""
 STDERR_TAIL_LINES = 50
 """Lines of stderr kept per rank for the failure report."""
 EXIT_TIMEOUT = 124
@@ -87,6 +86,8 @@ EXIT_TIMEOUT = 124
 EXIT_LAUNCH_FAILED = 1
 ROOT_CAUSE_WAIT = 3.0
 """Seconds to wait, after a failure caused by another rank's, for the rank that caused it."""
+PEER_REPORT_WAIT = 2.0
+"""Seconds the other ranks get, after a failure, to report it and exit before SIGTERM."""
 
 # The last line of a traceback whose error says a peer failed first.
 _CONSEQUENCE = re.compile(r"^(?:[\w.]+\.)?(?:PeerError|CommAbortedError): ")
@@ -95,127 +96,6 @@ _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 _REAP_TIMEOUT = 5.0  # seconds to wait for SIGKILLed ranks to be reaped
 _READER_JOIN_TIMEOUT = 2.0  # seconds to wait for a rank's pipes to drain once it is gone
 _POLL_INTERVAL = 0.1  # longest time a signal or the timeout waits to be noticed
-
-
-@dataclass
-class LaunchConfig:
-    """What to run and how (the ``gpucoll run`` options).
-
-    Attributes:
-        program: path of the script, or the module name when ``module`` is true.
-        args: arguments passed to the program untouched.
-        nproc: ranks started on this node.
-        module: run ``program`` as ``python -m program``.
-        no_python: run ``program`` as an executable even when it is a Python script
-            (torchrun's ``--no-python``).
-        nnodes: nodes in the job; each runs its own launcher with the same ``nproc``.
-        node_rank: this node's index (0 serves the store).
-        master_addr: host of the store. One node: the address the store binds (default
-            127.0.0.1). Several nodes: required; the store binds 0.0.0.0.
-        master_port: port of the store. Default: 0 (an ephemeral port) for one node,
-            29500 for several.
-        timeout: wall-clock limit of the whole job in seconds (None: no limit).
-        kill_grace: seconds between SIGTERM and SIGKILL when ranks are stopped.
-        env: base environment of the ranks (None: this process's environment).
-            ``GPUCOLL_AUTH_TOKEN`` is taken from it when set.
-        stdout: where prefixed rank stdout lines go (None: ``sys.stdout`` at run time).
-        stderr: where prefixed rank stderr lines and launcher messages go (None: ``sys.stderr``).
-        elastic: a rank that dies does not stop the others (see the module doc).
-        min_ranks: with ``elastic``, stop the job when fewer of this node's ranks remain.
-    """
-
-    program: str
-    args: Sequence[str] = ()
-    nproc: int = 1
-    module: bool = False
-    no_python: bool = False
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: Optional[str] = None
-    master_port: Optional[int] = None
-    timeout: Optional[float] = None
-    kill_grace: float = KILL_GRACE
-    env: Optional[Mapping[str, str]] = None
-    stdout: Optional[TextIO] = None
-    stderr: Optional[TextIO] = None
-    elastic: bool = False
-    min_ranks: int = 1
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """A validated :class:`LaunchConfig` with every default resolved."""
-
-    world_size: int
-    bind_host: Optional[str]  # None: this node does not serve the store
-    port: int
-    master_addr: str
-    token: str
-    command: Tuple[str, ...]
-    base_env: Dict[str, str]
-
-
-def _token_hint() -> str:
-    return (f"export the same secret on every node before running gpucoll, e.g. on each node:\n"
-            f"    export GPUCOLL_AUTH_TOKEN={secrets.token_hex(16)}")
-
-
-def _plan(cfg: LaunchConfig) -> _Plan:
-    """Check ``cfg`` and resolve its defaults.
-
-    Raises:
-        UsageError: the message says which value is wrong and why.
-    """
-    def need_int(name: str, value: object, low: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
-        return value
-
-    nproc = need_int("nproc (-n)", cfg.nproc, 1)
-    nnodes = need_int("nnodes", cfg.nnodes, 1)
-    node_rank = need_int("node_rank", cfg.node_rank, 0)
-    if node_rank >= nnodes:
-        raise UsageError(f"node_rank must be in [0, {nnodes - 1}] for nnodes={nnodes}, got {node_rank}")
-    if not cfg.program:
-        raise UsageError("missing the program to run: give script.py or -m module")
-    command = program_command(cfg.program, cfg.args, module=cfg.module,
-                              no_python=cfg.no_python)
-    if cfg.timeout is not None and not cfg.timeout > 0:
-        raise UsageError(f"timeout must be > 0 seconds, got {cfg.timeout!r}")
-    min_ranks = need_int("min_ranks", cfg.min_ranks, 1)
-    if min_ranks != 1 and not cfg.elastic:
-        raise UsageError("--min-ranks applies to elastic jobs only: add --elastic")
-    if min_ranks > nproc:
-        raise UsageError(f"min_ranks={min_ranks} is more than the {nproc} ranks of this node")
-    if not cfg.kill_grace >= 0:
-        raise UsageError(f"kill_grace must be >= 0 seconds, got {cfg.kill_grace!r}")
-
-    port = cfg.master_port
-    if port is None:
-        port = 0 if nnodes == 1 else DEFAULT_MULTI_NODE_PORT
-    need_int("master_port", port, 0)
-    if port > 65535:
-        raise UsageError(f"master_port must be in [0, 65535], got {port}")
-
-    base_env = dict(os.environ if cfg.env is None else cfg.env)
-    token = config.get("GPUCOLL_AUTH_TOKEN", base_env)
-    if nnodes == 1:
-        master_addr = cfg.master_addr or "127.0.0.1"
-        bind_host: Optional[str] = master_addr
-        token = token or secrets.token_hex(16)
-    else:
-        if not cfg.master_addr:
-            raise UsageError(f"nnodes={nnodes} needs --master-addr: the address of node 0 that "
-                             f"every node can reach")
-        if port == 0:
-            raise UsageError("master_port 0 (ephemeral) works only with one node: the other "
-                             "nodes must know the port in advance")
-        if not token:
-            raise UsageError(f"nnodes={nnodes} needs GPUCOLL_AUTH_TOKEN, the secret that keeps "
-                             f"other users off the job's store; {_token_hint()}")
-        master_addr = cfg.master_addr
-        bind_host = "0.0.0.0" if node_rank == 0 else None
-    return _Plan(nnodes * nproc, bind_host, port, master_addr, token, command, base_env)
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
@@ -436,11 +316,15 @@ class _Job:
         self.say(f"rank {rank.rank} lost ({how}); {remaining} rank(s) go on (--elastic)")
         return True
 
-    def stop_all(self, trap: _SignalTrap) -> None:
-        """SIGTERM every rank's process group, SIGKILL after the grace, reap (bounded).
+    def stop_all(self, trap: _SignalTrap, settle: float = 0.0) -> None:
+        """After up to ``settle`` seconds for the ranks to end on their own, SIGTERM every
+        rank's process group, SIGKILL after the grace, reap (bounded).
 
-        A signal that reaches the launcher during the grace period skips the rest of it.
+        A signal that reaches the launcher during these waits skips the rest of them.
         """
+        settled = time.monotonic() + settle
+        while self._alive() and not trap.received and time.monotonic() < settled:
+            self._record_exits(min(settled - time.monotonic(), _POLL_INTERVAL))
         while self._record_exits(0.0) is not None:  # ranks that already ended on their own
             pass
         for rank in self._alive():
@@ -526,7 +410,7 @@ class _Job:
                     outcome, failed = self._monitor(trap, deadline)
                 running = [rank.rank for rank in self._alive()]
                 if outcome != "ok":
-                    self.stop_all(trap)
+                    self.stop_all(trap, PEER_REPORT_WAIT if outcome == "failed" else 0.0)
                     stopped = True
                 self.join_readers()
             finally:
