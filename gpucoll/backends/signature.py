@@ -60,7 +60,9 @@ def mismatch_error(signatures: Dict[int, bytes], rank: int, name: str,
     odd = sorted(r for r, sig in signatures.items() if sig != reference)
     ref_rank = holders[reference][0]
     lines = [f"rank {r} called {describe(signatures[r])}" for r in odd]
+    others = len(holders[reference]) - 1
+    who = f"rank {ref_rank}" + (f" (and {others} more)" if others else "")
     return CollectiveMismatchError(
-        f"collective mismatch at op #{seq}: rank {ref_rank} (and {len(holders[reference]) - 1} "
-        f"more) called {describe(reference)}, but " + "; ".join(lines),
+        f"collective mismatch at op #{seq}: {who} called {describe(reference)}, but "
+        + "; ".join(lines),
         rank=rank, peer=odd[0], op=name, seq=seq)
