@@ -194,6 +194,27 @@ def test_single_slot_layers_need_and_work_with_recompute():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
+def cupy_pipeline(comm, schedule):
+    import cupy
+
+    params = init_params(SIZES, seed=SEED, xp=cupy)
+    stage = Stage(mlp_layers(params, comm.size)[comm.rank])
+    pipe = Pipeline(comm, stage, micro_batches=3, schedule=schedule)
+    x, y = _batch(0)
+    loss = pipe.step(cupy.asarray(x), cupy.asarray(y))
+    return loss, [cupy.asnumpy(g) for g in stage.grads]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_on_cupy_arrays(schedule):
+    per_rank = run_ranks(cupy_pipeline, 2, schedule, timeout=90)
+    loss_ref, _, grads_ref = _reference(0)
+    assert per_rank[1][0] == pytest.approx(loss_ref, rel=1e-4)
+    for got, want in zip(per_rank[0][1] + per_rank[1][1], grads_ref):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------- usage errors
 class FakeComm:
     """Rank, size and a canned all-gather; any send or receive fails the test."""
@@ -316,7 +337,7 @@ def stage_dies(rank, size, url, victim, how):
 
 @pytest.mark.parametrize("victim,how", [(2, "dies"), (1, "dies"), (0, "raises")])
 def test_a_failing_stage_is_an_error_on_every_other_stage(victim, how):
-    timeout = 5.0
+    timeout = 10.0
     survivors = [r for r in range(3) if how == "raises" or r != victim]
     results = run_ranks(stage_dies, 3, victim, how, init=False, ranks=survivors, timeout=60,
                         env=dict(_ONE_BLAS, GPUCOLL_TIMEOUT=str(timeout)))
