@@ -13,8 +13,6 @@ from __future__ import annotations
 import collections
 from typing import Any, List, Sequence
 
-import numpy as np
-
 from ..tp.layers import _array_module, _check_linear
 
 __all__ = ["Linear", "ReLU", "mlp_layers", "softmax_cross_entropy"]
