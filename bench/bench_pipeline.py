@@ -13,7 +13,11 @@ the last H x 10), so the textbook bubble (equal stages, free messages) is a lowe
 busiest stage.
 
     python bench/bench_pipeline.py [--stages 2 3] [--microbatches 1 2 4 8] [--hidden 128 1024]
-        [--steps 60] [--json bench/pipeline.json]
+        [--steps 60] [--latency] [--json bench/pipeline.json]
+
+``--latency`` first times one pipeline hop between two ranks (blocking send / recv against
+``isend`` / ``irecv``), and ``--stages 1`` runs the micro-batches in one process: the cost
+of splitting the batch, without any message.
 """
 
 from __future__ import annotations
@@ -84,15 +88,43 @@ def child(args) -> int:
     return 0
 
 
+def latency_child(args) -> int:
+    """Round trip of one (BATCH / 8, hidden) float32 activation between two ranks: blocking
+    send / recv against isend / irecv waited at once (what one pipeline hop costs)."""
+    import gpucoll
+
+    comm = gpucoll.init(backend="cpu")
+    x = np.zeros((BATCH // 8, args.hidden), np.float32)
+    out = np.empty_like(x)
+    peer = 1 - comm.rank
+    result = {}
+    for mode in ("blocking", "async"):
+        times = []
+        for trip in range(args.steps * 5):
+            start = time.perf_counter()
+            for turn in ((0, 1) if comm.rank == 0 else (1, 0)):
+                if turn == 0:
+                    comm.send(x, peer) if mode == "blocking" else comm.isend(x, peer).wait()
+                else:
+                    comm.recv(out, peer) if mode == "blocking" else comm.irecv(out, peer).wait()
+            times.append(time.perf_counter() - start)
+        result[mode] = 1e6 * float(np.median(times[args.warmup:]))
+    with open(f"{args.out}.{comm.rank}", "w") as handle:
+        json.dump(result, handle)
+    comm.close()
+    return 0
+
+
 # ---------------------------------------------------------------------------- driver
 def run_config(stages: int, schedule: str, micro_batches: int, hidden: int, steps: int,
-               warmup: int) -> list:
+               warmup: int, latency: bool = False) -> list:
     with tempfile.TemporaryDirectory(prefix="gpucoll-bench-pp-") as tmp:
         out = os.path.join(tmp, "result")
         command = [sys.executable, "-m", "gpucoll", "run", "-n", str(stages), "--timeout",
                    "600", os.path.abspath(__file__), "--child", "--schedule", schedule,
                    "--microbatches", str(micro_batches), "--hidden", str(hidden), "--steps",
                    str(steps), "--warmup", str(warmup), "--out", out]
+        command += ["--latency"] if latency else []
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                    MKL_NUM_THREADS="1")
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -112,10 +144,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--latency", action="store_true",
+                        help="also time one hop: blocking against isend / irecv round trips")
     args = parser.parse_args(argv)
     if args.child:
         args.hidden, args.micro_batches = args.hidden[0], args.microbatches[0]
-        return child(args)
+        return latency_child(args) if args.latency else child(args)
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     from gpucoll.pp import bubble_fraction
@@ -124,9 +158,15 @@ def main(argv=None) -> int:
     print(f"# digits MLP [64, H, H, 10], batch {BATCH}, {args.steps} steps (first "
           f"{args.warmup} not timed), one BLAS thread per rank; {os.cpu_count()} CPUs, load "
           f"average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    results = []
+    for hidden in args.hidden if args.latency else []:
+        trips = run_config(2, "gpipe", 1, hidden, args.steps, args.warmup, latency=True)[0]
+        print(f"# one hop, ({BATCH // 8}, {hidden}) float32 round trip: blocking send/recv "
+              f"{trips['blocking']:.0f} us, isend/irecv {trips['async']:.0f} us "
+              f"({trips['async'] / trips['blocking']:.1f}x)", flush=True)
+        results.append({"hidden": hidden, "round_trip_us": trips})
     print(f"# {'hidden':>6} {'P':>2} {'schedule':>8} {'M':>2} {'ms/step':>8} {'vs 1 proc':>9} "
           f"{'peak acts per stage':>19} {'idle per stage':>20} {'textbook':>8}")
-    results = []
     for hidden in args.hidden:
         base = run_config(1, "gpipe", 1, hidden, args.steps, args.warmup)[0]["step_ms"]
         print(f"  {hidden:>6} {1:>2} {'-':>8} {1:>2} {base:8.2f} {1:9.2f}", flush=True)
