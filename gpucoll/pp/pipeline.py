@@ -253,7 +253,8 @@ class Pipeline:
             self._passes += 1
         if not self.is_last:
             return None, None
-        self.correct = correct
+        if training:
+            self.correct = correct
         return loss_sum / rows, correct
 
 
