@@ -45,6 +45,7 @@ from ..work import Work
 from . import signature
 from .ordering import Channel, OpOrder
 from .staging import Staged
+from .workers import WorkerThreads
 
 __all__ = ["CPUCommunicator"]
 
@@ -104,6 +105,7 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
         if size > 1 and select_transport.shared_memory_mode(transport) != "off":
             self._open_shared(host_ids, transport, token, shm_bytes, shm_single_copy, deadline)
         self._order = OpOrder(rank, size)
+        self._workers = WorkerThreads(f"gpucoll-rank{rank}-async")
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._p2p_seq: Dict[Channel, int] = defaultdict(int)
@@ -194,7 +196,7 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
             else:
                 work._finish(result)
 
-        threading.Thread(target=run, name=f"gpucoll-{name}-{seq}", daemon=True).start()
+        self._workers.submit(run)
         return work
 
     def _execute(self, name: str, seq: int, entry, body, limit: float):
