@@ -3,7 +3,9 @@
 Every operation is MPI's non-blocking form (``Iallreduce``, ``Ibcast``, ``Isend``...). A
 blocking call polls its request against the communicator's timeout, so a dead, stuck or
 absent peer raises ``CommTimeoutError`` naming the op and its sequence number instead of
-blocking forever (MPI itself would); the communicator is then aborted. ``async_op=True``,
+blocking forever (MPI itself would); the communicator is then aborted. Blocking collectives
+on host NumPy arrays take the short paths of :mod:`.mpi_short` (which, with
+GPUCOLL_MPI_BLOCKING=1, call MPI's blocking forms under the watchdog of :mod:`.mpi_blocking`). ``async_op=True``,
 ``isend`` and ``irecv`` return a :class:`MPIWork` over the request, polled the same way by
 ``wait()``. MPI orders collectives by issue order, and messages between two ranks arrive in
 send order.

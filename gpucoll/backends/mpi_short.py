@@ -3,12 +3,12 @@
 The general path (``MPICommunicator._collective``) stages every array, builds closures and
 waits through several layers: about 20 µs of Python per call, several times MPI's own cost
 for a small message. The common case needs none of it: a blocking ``all_reduce``,
-``broadcast``, ``all_gather`` or ``reduce_scatter`` whose arrays are NumPy arrays, with
-GPUCOLL_DEBUG off. These methods hand the caller's arrays to mpi4py as they are and wait for
-the request against the same deadline, with the same checks, results and errors (the
-backend's own ``_poll`` and ``_failed``: timeout, abort, MPI failure). ``async_op``,
-GPUCOLL_DEBUG (its signature check), device arrays and other array types (torch tensors,
-DLPack) keep the general path.
+``broadcast``, ``all_gather`` or ``reduce_scatter`` whose arrays are NumPy arrays (host
+DLPack arrays such as torch CPU tensors arrive here as NumPy views), with GPUCOLL_DEBUG off.
+These methods hand the arrays to mpi4py as they are and wait for the request against the
+same deadline, with the same checks, results and errors (the backend's own ``_poll`` and
+``_failed``: timeout, abort, MPI failure; the arguments were checked by ``Communicator``).
+``async_op``, GPUCOLL_DEBUG (its signature check) and device arrays keep the general path.
 
 In-place all-reduces above :data:`PIECES_ABOVE` go in pieces of :data:`PIECE_BYTES`, one
 after the other: on Open MPI, the in-place all-reduce of 8 MiB and more is 1.4 to 2 times
