@@ -3,12 +3,12 @@
 Every operation is MPI's non-blocking form (``Iallreduce``, ``Ibcast``, ``Isend``...). A
 blocking call polls its request against the communicator's timeout, so a dead, stuck or
 absent peer raises ``CommTimeoutError`` naming the op and its sequence number instead of
-blocking forever (MPI itself would); the communicator is then aborted. Blocking collectives
-on host NumPy arrays take the short paths of :mod:`.mpi_short` (which, with
-GPUCOLL_MPI_BLOCKING=1, call MPI's blocking forms under the watchdog of :mod:`.mpi_blocking`). ``async_op=True``,
+blocking forever (MPI itself would); the communicator is then aborted. ``async_op=True``,
 ``isend`` and ``irecv`` return a :class:`MPIWork` over the request, polled the same way by
-``wait()``. MPI orders collectives by issue order, and messages between two ranks arrive in
-send order.
+``wait()``. Blocking collectives on host NumPy arrays take the short paths of
+:mod:`.mpi_short` (with GPUCOLL_MPI_BLOCKING=1, MPI's blocking forms under the watchdog of
+:mod:`.mpi_blocking`). MPI orders collectives by issue order, and messages between two
+ranks arrive in send order.
 
 Semantics match the other backends: shapes, in-place rules, ``out=``, ops (see
 :mod:`.mpi_types`: AVG is SUM then the shared division), usage errors (checked by
@@ -221,6 +221,8 @@ class MPICommunicator(HostShortPaths, Communicator):
         """Test ``request`` until it completes; at ``deadline`` abort and raise (the message
         counts from ``started``, default now)."""
         start = time.monotonic()
+        if started is None:
+            started = start
         pause = 0.0
         while not self._test(request, name, seq, status):
             now = time.monotonic()
@@ -228,7 +230,7 @@ class MPICommunicator(HostShortPaths, Communicator):
                 who = (f"peer {peer}" if peer is not None else
                        f"the other {self.size - 1} rank(s)")
                 message = (f"rank {self.rank}: {name} #{seq} did not complete within "
-                           f"{now - (start if started is None else started):.3g} s: MPI was still waiting for {who} (dead, stuck, "
+                           f"{now - started:.3g} s: MPI was still waiting for {who} (dead, stuck, "
                            f"or calling another operation); the communicator was aborted, "
                            f"create a new one")
                 self._abort_with(message)
