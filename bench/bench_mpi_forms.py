@@ -49,6 +49,8 @@ def main() -> None:
     while size <= args.max_bytes:
         sizes.append(size)
         size *= 8
+    if sizes[-1] != args.max_bytes:
+        sizes.append(args.max_bytes)
     if comm.rank == 0:
         names = ["Allreduce", "Allreduce 1M pieces", "Iallreduce+Wait", "Iallreduce+Test spin",
                  "Iallreduce+backend wait", "Iallreduce 1M pieces", "Iallreduce out+copy"]
