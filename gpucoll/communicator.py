@@ -90,6 +90,8 @@ class Communicator(CompositeCollectives, abc.ABC):
         """
         if not self._converts_arrays or result is None:
             return result
+        if result is pairs[0]:  # the common case: the result is the first view (in place)
+            return pairs[1]
         if isinstance(result, Work):
             result._map = lambda value: self._hand_back(value, *pairs)
             return result

@@ -161,6 +161,10 @@ _GPUCOLL = [
     Setting("GPUCOLL_DEVICE", int, None,
             "NCCL backend: the GPU this rank uses. Default: the local rank modulo the number of "
             "visible GPUs."),
+    Setting("GPUCOLL_MPI_BLOCKING", _parse_bool, False,
+            "MPI backend: blocking calls on NumPy arrays use MPI's blocking collectives (2-3x "
+            "faster from 4 KiB to a few MiB on Open MPI); a call still blocked at the timeout "
+            "cannot raise, so the process prints the error and exits with status 124."),
     Setting("GPUCOLL_WATCHDOG_INTERVAL", float, 0.05,
             "NCCL backend: seconds between the watchdog's checks of outstanding GPU work and "
             "of NCCL's asynchronous errors."),

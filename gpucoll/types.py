@@ -27,11 +27,16 @@ class ReduceOp(enum.Enum):
     BOR = "bor"
     BXOR = "bxor"
 
+    # Members are singletons compared by identity; Enum's own __hash__ hashes the name in
+    # Python, and (op, dtype) keys are looked up on every reduction (hot path).
+    __hash__ = object.__hash__
+
     @classmethod
     def parse(cls, op: Union["ReduceOp", str]) -> "ReduceOp":
-        if isinstance(op, ReduceOp):
-            return op
-        found = _OP_NAMES.get(op) if isinstance(op, str) else None
+        try:
+            found = _PARSED.get(op)
+        except TypeError:  # unhashable: not an op; the error below names it
+            found = None
         if found is not None:
             return found
         if isinstance(op, str):
@@ -44,6 +49,7 @@ class ReduceOp(enum.Enum):
 
 
 _OP_NAMES = {member.value: member for member in ReduceOp}  # the exact lower-case names (hot path)
+_PARSED = {**_OP_NAMES, **{member: member for member in ReduceOp}}
 
 # name: (wire code, NCCL dtype name or None)
 DTYPES: Dict[str, tuple] = {

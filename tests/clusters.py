@@ -208,7 +208,7 @@ class MPICluster:
     kind = "numpy"
     backend = "mpi"
 
-    def __init__(self, name: str, world_size: int, start_timeout: float = 90.0):
+    def __init__(self, name: str, world_size: int, start_timeout: float = 90.0, env=None):
         from multiprocessing.connection import Listener
 
         self.name, self.world_size = name, world_size
@@ -221,7 +221,7 @@ class MPICluster:
         self._proc = subprocess.Popen(
             command + [sys.executable, os.path.join(_SCRIPTS, "mpi_rank_server.py"),
                        f"{host}:{port}", key.hex()],
-            env=mpirun_env({"GPUCOLL_TIMEOUT": "60"}), stdin=subprocess.DEVNULL,
+            env=mpirun_env({"GPUCOLL_TIMEOUT": "60", **(env or {})}), stdin=subprocess.DEVNULL,
             start_new_session=True)
         accepted: "queue.Queue" = queue.Queue()
 

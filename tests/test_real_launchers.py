@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -115,6 +116,28 @@ def test_mpi_backend_timeout_holds_on_a_stuck_peer():
     assert line.startswith("TIMEOUT after "), line
     assert "all_reduce #1 did not complete within 2 s" in line, line
     assert float(line.split()[2]) < 15, line  # the 2 s limit held (rank 1 sleeps 20 s)
+
+
+def test_mpi_blocking_mode_ends_the_job_at_the_timeout_on_a_stuck_peer():
+    """GPUCOLL_MPI_BLOCKING=1: rank 0 blocks inside MPI's Allreduce; its watchdog names the
+    call on stderr and exits with status 124 at the 2 s timeout, and mpirun ends the job
+    (rank 1 would sleep 20 s)."""
+    command, reason = mpirun_command(2)
+    if command is None:
+        pytest.skip(reason)
+    from gpucoll.backends.mpi_blocking import EXIT_STATUS
+
+    script = str(ROOT / "tests" / "scripts" / "mpi_stuck_peer.py")
+    started = time.monotonic()
+    done = subprocess.run([*command, sys.executable, script, "2"], capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env=mpirun_env(_env({"GPUCOLL_MPI_BLOCKING": "1"})))
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0 and "TIMEOUT" not in done.stdout, done.stdout + done.stderr
+    assert ("gpucoll: CommTimeoutError: rank 0: all_reduce #1 did not complete within 2 s"
+            in done.stderr), done.stderr
+    assert f"exits with status {EXIT_STATUS}" in done.stderr, done.stderr
+    assert elapsed < 18, elapsed  # the job ended before rank 1 woke up
 
 
 def test_bench_on_the_mpi_backend_under_mpirun():

@@ -57,10 +57,12 @@ def nccl_factory(store, rank: int, world_size: int, *, device: Optional[int] = N
 
 
 def mpi_factory(store, rank: int, world_size: int, **common):
-    """An ``MPICommunicator`` over a duplicate of ``MPI.COMM_WORLD`` (no store)."""
+    """An ``MPICommunicator`` over a duplicate of ``MPI.COMM_WORLD`` (no store);
+    GPUCOLL_MPI_BLOCKING picks MPI's blocking collectives under a watchdog."""
     from .mpi import mpi_factory as factory
 
-    return factory(store, rank, world_size, **common)
+    return factory(store, rank, world_size, blocking=config.get("GPUCOLL_MPI_BLOCKING"),
+                   **common)
 
 
 def _mpi_unavailable_reason() -> Optional[str]:

@@ -5,8 +5,10 @@ blocking call polls its request against the communicator's timeout, so a dead, s
 absent peer raises ``CommTimeoutError`` naming the op and its sequence number instead of
 blocking forever (MPI itself would); the communicator is then aborted. ``async_op=True``,
 ``isend`` and ``irecv`` return a :class:`MPIWork` over the request, polled the same way by
-``wait()``. MPI orders collectives by issue order, and messages between two ranks arrive in
-send order.
+``wait()``. Blocking collectives on host NumPy arrays take the short paths of
+:mod:`.mpi_short` (with GPUCOLL_MPI_BLOCKING=1, MPI's blocking forms under the watchdog of
+:mod:`.mpi_blocking`). MPI orders collectives by issue order, and messages between two
+ranks arrive in send order.
 
 Semantics match the other backends: shapes, in-place rules, ``out=``, ops (see
 :mod:`.mpi_types`: AVG is SUM then the shared division), usage errors (checked by
@@ -23,6 +25,7 @@ never mixes with the program's own mpi4py calls.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import socket
 import os
 import threading
@@ -38,6 +41,8 @@ from ..hostarrays import host_view, like_caller
 from ..types import ReduceOp, finish_avg
 from ..work import Work
 from . import mpi_types, signature
+from .mpi_blocking import BlockingWatchdog
+from .mpi_short import HostShortPaths
 from .mpi_types import byte_spec, mpi, reduction
 from .staging import Staged
 
@@ -119,18 +124,29 @@ def _host_key() -> int:
     return int.from_bytes(digest[:7], "little")
 
 
-class MPICommunicator(Communicator):
-    """Communicator over an mpi4py communicator (see module doc)."""
+class MPICommunicator(HostShortPaths, Communicator):
+    """Communicator over an mpi4py communicator (see module doc).
+
+    Args:
+        mpi_comm: the mpi4py communicator (gpucoll's own duplicate).
+        comm_id: a name for this communicator.
+        timeout: seconds a blocking call may wait.
+        debug: GPUCOLL_DEBUG: compare each collective's signature across ranks first.
+        blocking: GPUCOLL_MPI_BLOCKING: the short paths call MPI's blocking collectives,
+            bounded by a watchdog that ends the process at the timeout (see
+            :mod:`.mpi_blocking`).
+    """
 
     backend = "mpi"
     memory = "host"
     _converts_arrays = True
 
-    def __init__(self, mpi_comm, *, comm_id: str, timeout: float, debug: bool = False):
-        self._comm = mpi_comm
+    def __init__(self, mpi_comm, *, comm_id: str, timeout: float, debug: bool = False,
+                 blocking: bool = False):
+        self._comm, self._MPI = mpi_comm, mpi()
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.comm_id, self.timeout, self._debug = comm_id, float(timeout), debug
-        self._seq = 0
+        self._seqs = itertools.count(1)  # next() is atomic: no lock on every call
         self._p2p: Dict[tuple, int] = {}
         self._lock = threading.Lock()
         self._aborted: Optional[str] = None
@@ -138,9 +154,12 @@ class MPICommunicator(Communicator):
         self._splits = 0
         self._direct: Optional[bool] = None
         self._tag_ub = int(mpi_comm.Get_attr(mpi().TAG_UB) or 32767)
+        self._watchdog: Optional[BlockingWatchdog] = None
         hosts = self._table(np.array([_host_key()], np.int64), "init")
         same = [r for r in range(self.size) if hosts[r, 0] == hosts[self.rank, 0]]
         self.local_rank, self.local_size = same.index(self.rank), len(same)
+        if blocking:
+            self._watchdog = BlockingWatchdog(self.rank, self.size, self.timeout)
 
     # ------------------------------------------------------------------ arrays
     def _import_array(self, x, name: str):
@@ -175,9 +194,7 @@ class MPICommunicator(Communicator):
             raise CommAbortedError(f"rank {self.rank}: communicator is closed")
 
     def _next_seq(self) -> int:
-        with self._lock:
-            self._seq += 1
-            return self._seq
+        return next(self._seqs)
 
     def _failed(self, name: str, seq: int, exc: BaseException) -> GpucollError:
         """An MPI error as gpucoll's: a truncated message is a mismatch, others a peer error."""
@@ -200,9 +217,12 @@ class MPICommunicator(Communicator):
             raise self._failed(name, seq, exc) from None
 
     def _poll(self, request, name: str, seq: int, deadline: float, status=None,
-              peer: Optional[int] = None) -> None:
-        """Test ``request`` until it completes; at ``deadline`` abort and raise."""
+              peer: Optional[int] = None, started: Optional[float] = None) -> None:
+        """Test ``request`` until it completes; at ``deadline`` abort and raise (the message
+        counts from ``started``, default now)."""
         start = time.monotonic()
+        if started is None:
+            started = start
         pause = 0.0
         while not self._test(request, name, seq, status):
             now = time.monotonic()
@@ -210,7 +230,7 @@ class MPICommunicator(Communicator):
                 who = (f"peer {peer}" if peer is not None else
                        f"the other {self.size - 1} rank(s)")
                 message = (f"rank {self.rank}: {name} #{seq} did not complete within "
-                           f"{now - start:.3g} s: MPI was still waiting for {who} (dead, stuck, "
+                           f"{now - started:.3g} s: MPI was still waiting for {who} (dead, stuck, "
                            f"or calling another operation); the communicator was aborted, "
                            f"create a new one")
                 self._abort_with(message)
@@ -276,6 +296,8 @@ class MPICommunicator(Communicator):
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        if self._short(async_op, x, out):
+            return self._host_all_reduce(x, op, out)
         src = self._stage(x, stream)
         dst = self._stage(out, stream) if out is not None else src
         kind, mpi_op = reduction(op, src.host.dtype)
@@ -286,6 +308,8 @@ class MPICommunicator(Communicator):
             op=op)
 
     def _broadcast(self, x, root: int, async_op: bool, stream=None):
+        if self._short(async_op, x, None):
+            return self._host_broadcast(x, root)
         buf = self._stage(x, stream)
         return self._collective("broadcast", buf, buf,
                                 lambda: self._comm.Ibcast(byte_spec(buf.host), root), async_op,
@@ -305,6 +329,8 @@ class MPICommunicator(Communicator):
                                 op=op, root=root)
 
     def _all_gather(self, x, out, async_op: bool, stream=None):
+        if self._short(async_op, x, out):
+            return self._host_all_gather(x, out)
         src = self._stage(x, stream)
         dst = self._stage(out, stream) if out is not None else self._empty(
             (self.size,) + src.host.shape, src.host.dtype, src, stream)
@@ -313,6 +339,8 @@ class MPICommunicator(Communicator):
             lambda: self._comm.Iallgather(byte_spec(src.host), byte_spec(dst.host)), async_op)
 
     def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
+        if self._short(async_op, x, out):
+            return self._host_reduce_scatter(x, op, out)
         src = self._stage(x, stream)
         dst = self._stage(out, stream) if out is not None else self._empty(
             src.host.shape[1:], src.host.dtype, src, stream)
@@ -420,7 +448,8 @@ class MPICommunicator(Communicator):
         if child == MPI.COMM_NULL:
             return None
         return MPICommunicator(child, comm_id=f"{self.comm_id}/split{self._splits}/color{color}",
-                               timeout=self.timeout, debug=self._debug)
+                               timeout=self.timeout, debug=self._debug,
+                               blocking=self._watchdog is not None)
 
     def _abort_with(self, reason: str) -> None:
         if self._aborted is None:
@@ -439,6 +468,8 @@ class MPICommunicator(Communicator):
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.close()
         if self._aborted is None:
             try:
                 self._comm.Free()
@@ -447,8 +478,10 @@ class MPICommunicator(Communicator):
 
 
 def mpi_factory(store, rank: int, world_size: int, *, comm_id: str, token: str, timeout: float,
-                debug: bool = False, owns_store: bool = False, **unused) -> MPICommunicator:
-    """An ``MPICommunicator`` over a duplicate of ``MPI.COMM_WORLD``.
+                debug: bool = False, owns_store: bool = False, blocking: bool = False,
+                **unused) -> MPICommunicator:
+    """An ``MPICommunicator`` over a duplicate of ``MPI.COMM_WORLD``; ``blocking``: see
+    ``MPICommunicator``.
 
     Raises:
         ValueError: ``rank`` / ``world_size`` disagree with MPI's.
@@ -468,4 +501,5 @@ def mpi_factory(store, rank: int, world_size: int, *, comm_id: str, token: str, 
                                    f"MPI rank called gpucoll.init(backend='mpi')", rank=rank,
                                    op="init")
         time.sleep(1e-3)
-    return MPICommunicator(duplicate, comm_id=comm_id, timeout=timeout, debug=debug)
+    return MPICommunicator(duplicate, comm_id=comm_id, timeout=timeout, debug=debug,
+                           blocking=blocking)

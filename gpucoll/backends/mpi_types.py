@@ -41,6 +41,7 @@ _BOOL_OPS = {ReduceOp.SUM: "LOR", ReduceOp.MAX: "LOR", ReduceOp.BOR: "LOR",
 
 _USER_OPS: Dict[Tuple[ReduceOp, str], Any] = {}
 _ELEMENT_TYPES: Dict[int, Any] = {}
+_REDUCTIONS: Dict[Tuple[ReduceOp, Any], Tuple[Any, Any]] = {}
 
 
 def mpi():
@@ -82,13 +83,20 @@ def _user_op(op: ReduceOp, dtype: np.dtype):
 
 
 def reduction(op: ReduceOp, dtype: np.dtype) -> Tuple[Any, Any]:
-    """(MPI datatype, MPI op) that reduce ``dtype`` with ``op`` as gpucoll defines it."""
-    MPI = mpi()
-    name = _NATIVE_TYPES.get(dtype.name)
-    if name is None or not hasattr(MPI, name):
-        return _element_type(dtype.itemsize), _user_op(op, dtype)
-    ops = _BOOL_OPS if dtype.kind == "b" else _NATIVE_OPS
-    return getattr(MPI, name), getattr(MPI, ops[op])
+    """(MPI datatype, MPI op) that reduce ``dtype`` with ``op`` as gpucoll defines it.
+    Memoized per (op, dtype): it is on every reduction's path."""
+    key = (op, dtype)
+    found = _REDUCTIONS.get(key)
+    if found is None:
+        MPI = mpi()
+        name = _NATIVE_TYPES.get(dtype.name)
+        if name is None or not hasattr(MPI, name):
+            found = (_element_type(dtype.itemsize), _user_op(op, dtype))
+        else:
+            ops = _BOOL_OPS if dtype.kind == "b" else _NATIVE_OPS
+            found = (getattr(MPI, name), getattr(MPI, ops[op]))
+        _REDUCTIONS[key] = found
+    return found
 
 
 def byte_spec(array: np.ndarray, datatype=None) -> list:
