@@ -117,6 +117,17 @@ def epoch_line(epoch: int, totals, test_accuracy: float, start: float) -> str:
             f"test acc {test_accuracy:.4f}  ({time.perf_counter() - start:.2f} s)")
 
 
+def add_common_arguments(parser, hidden: int = 128) -> None:
+    """The options every training example shares: epochs, global batch size, learning rate,
+    hidden width, seed, and ``--cpu``."""
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true", help="use NumPy even when CuPy works")
+
+
 def _array_module(force_cpu: bool):
     if not force_cpu:
         try:
@@ -225,13 +236,8 @@ def _recover(shard: _Shard, params, velocity, progress: Progress, args, dataset_
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--hidden", type=int, default=128)
+    add_common_arguments(parser)
     parser.add_argument("--compression", choices=["none", "bf16", "fp16"], default="none")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpu", action="store_true", help="use NumPy even when CuPy works")
     parser.add_argument("--zero", action="store_true",
                         help="shard the optimizer state across ranks (ZeRO-1)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")

@@ -25,8 +25,8 @@ import time
 import numpy as np
 
 from gpucoll.ddp import Bucketer, DistributedSampler, all_reduce_metrics, make_optimizer
-from gpucoll.examples.train_digits import (_array_module, _init, epoch_line, init_params,
-                                           load_digits_split)
+from gpucoll.examples.train_digits import (_array_module, _init, add_common_arguments, epoch_line,
+                                           init_params, load_digits_split)
 from gpucoll.pp import SCHEDULES, Pipeline, Stage, mlp_layers, pipeline_groups
 
 
@@ -36,12 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, default=4, metavar="M")
     parser.add_argument("--dp", type=int, default=1, metavar="D",
                         help="data-parallel replicas of the pipeline")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpu", action="store_true", help="use NumPy even when CuPy works")
+    add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.microbatches < 1:
         parser.error(f"--microbatches must be >= 1, got {args.microbatches}")

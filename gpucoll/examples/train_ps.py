@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 from gpucoll.ddp import DistributedSampler, all_reduce_metrics
-from gpucoll.examples.train_digits import (_array_module, _init, epoch_line, init_params,
-                                           load_digits_split, loss_and_grads)
+from gpucoll.examples.train_digits import (_array_module, _init, add_common_arguments, epoch_line,
+                                           init_params, load_digits_split, loss_and_grads)
 from gpucoll.ps import ParameterServer, PSWorker
 
 
@@ -35,12 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--servers", type=int, default=1, help="server ranks (shards)")
     parser.add_argument("--staleness", type=int, default=2,
                         help="async: steps a worker may run ahead of the slowest")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpu", action="store_true", help="use NumPy even when CuPy works")
+    add_common_arguments(parser)
     args = parser.parse_args(argv)
 
     xp = _array_module(args.cpu)

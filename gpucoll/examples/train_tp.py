@@ -22,33 +22,17 @@ import time
 import numpy as np
 
 from gpucoll.ddp import Bucketer, DistributedSampler, all_reduce_metrics, make_optimizer
-from gpucoll.examples.train_digits import _array_module, _init, epoch_line, load_digits_split
+from gpucoll.examples.train_digits import (_array_module, _init, add_common_arguments, epoch_line,
+                                           load_digits_split)
+from gpucoll.pp.layers import softmax_cross_entropy
 from gpucoll.tp import ParallelMLP
-
-
-def softmax_grad(logits, labels, xp, batch: int):
-    """Mean cross-entropy's loss, correct count and gradient w.r.t. the logits (divided by
-    the replica's ``batch`` so that row-split gradients add up to the replica's)."""
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    exp = xp.exp(shifted)
-    probs = exp / exp.sum(axis=1, keepdims=True)
-    rows = xp.arange(logits.shape[0])
-    loss = float(-xp.log(probs[rows, labels] + 1e-12).sum())
-    correct = int((logits.argmax(axis=1) == labels).sum())
-    probs[rows, labels] -= 1
-    return loss, correct, probs / batch
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel group size")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
+    add_common_arguments(parser, hidden=256)
     parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--cpu", action="store_true", help="use NumPy even when CuPy works")
     args = parser.parse_args(argv)
 
     xp = _array_module(args.cpu)
@@ -86,7 +70,7 @@ def main(argv=None) -> int:
                     batch = batch[tp_comm.rank * part:(tp_comm.rank + 1) * part]
                 rows = xp.asarray(batch)
                 logits = mlp.forward(x_dev[rows])
-                loss, hits, grad = softmax_grad(logits, y_dev[rows], xp, local)
+                loss, hits, grad = softmax_cross_entropy(logits, y_dev[rows], 1.0 / local)
                 mlp.backward(grad.astype(logits.dtype))
                 grads = bucketer.reduce([g.copy() for g in mlp.grads])
                 for index, (param, g) in enumerate(zip(mlp.params, grads)):
