@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import socket
-import textwrap
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -48,23 +47,7 @@ _OUTER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", 
           "MASTER_PORT", "GPUCOLL_AUTH_TOKEN", "GPUCOLL_LAUNCHER_STORE", "GPUCOLL_LAUNCHER_PID",
           "GPUCOLL_LAUNCHER_PID_NAMESPACE")
 
-_SPAWN_CALLER = textwrap.dedent("""
-    import os, sys, time
-    import numpy as np
-    import gpucoll as gc
-
-    def work(comm, piddir):
-        path = os.path.join(piddir, f"rank{comm.rank}.pid")
-        with open(path + ".tmp", "w") as handle:
-            handle.write(str(os.getpid()))
-        os.replace(path + ".tmp", path)
-        while True:
-            comm.all_reduce(np.ones(3))
-            time.sleep(0.01)
-
-    if __name__ == "__main__":
-        gc.spawn(work, 2, args=(sys.argv[1],), backend="cpu", timeout=60)
-""")
+SPAWN_CALLER = str(SCRIPTS / "orphan_spawn_caller.py")
 
 
 def _alive(pid: int) -> bool:
@@ -127,39 +110,36 @@ def main() -> None:
                         help="seconds after which a rank counts as orphaned for good")
     opts = parser.parse_args()
     run = [sys.executable, "-m", "gpucoll", "run", "-n", "2"]
-    with tempfile.TemporaryDirectory() as scratch:
-        caller = Path(scratch, "caller.py")
-        caller.write_text(_SPAWN_CALLER)
-        cases = {
-            "gpucoll run, Python ranks (parent-death signal)": run + [RANK_SCRIPT, "PIDDIR"],
-            "gpucoll run ./job.sh (pidfd)": run + [JOB_SCRIPT, "PIDDIR"],
-            "gpucoll run ./job.sh, no pidfd (polling)": run + [JOB_SCRIPT, "PIDDIR", "--no-pidfd"],
-            "gc.spawn (caller SIGKILLed)": [sys.executable, str(caller), "PIDDIR"],
-        }
-        envs: Dict[str, Dict[str, str]] = {}
-        torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-        if torchrun:
-            cases["peer: torchrun --nproc-per-node 2"] = [torchrun, "--nproc-per-node", "2",
-                                                          RANK_SCRIPT, "PIDDIR"]
-        mpirun, _ = mpirun_command(2)
-        if mpirun:
-            cases["peer: mpirun -n 2 (Open MPI)"] = [*mpirun, sys.executable, RANK_SCRIPT,
-                                                     "PIDDIR"]
-            envs["peer: mpirun -n 2 (Open MPI)"] = mpirun_env()
-        print(f"{'case':<52} {'median ms':>10} {'max ms':>10}  trials (ms; '-' = alive after "
-              f"{opts.cap:g} s)")
-        for name, command in cases.items():
-            times = []
-            for _ in range(opts.trials):
-                env = envs.get(name)
-                if env is not None:
-                    env = {**env, "MASTER_PORT": str(_free_port())}
-                times.append(trial(command, 2, opts.cap, env))
-            done = [t for t in times if t is not None]
-            median = f"{statistics.median(done) * 1e3:.1f}" if len(done) == len(times) else "-"
-            worst = f"{max(done) * 1e3:.1f}" if len(done) == len(times) else "-"
-            listed = " ".join("-" if t is None else f"{t * 1e3:.1f}" for t in times)
-            print(f"{name:<52} {median:>10} {worst:>10}  {listed}", flush=True)
+    cases = {
+        "gpucoll run, Python ranks (parent-death signal)": run + [RANK_SCRIPT, "PIDDIR"],
+        "gpucoll run ./job.sh (pidfd)": run + [JOB_SCRIPT, "PIDDIR"],
+        "gpucoll run ./job.sh, no pidfd (polling)": run + [JOB_SCRIPT, "PIDDIR", "--no-pidfd"],
+        "gc.spawn (caller SIGKILLed)": [sys.executable, SPAWN_CALLER, "PIDDIR"],
+    }
+    envs: Dict[str, Dict[str, str]] = {}
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun:
+        cases["peer: torchrun --nproc-per-node 2"] = [torchrun, "--nproc-per-node", "2",
+                                                      RANK_SCRIPT, "PIDDIR"]
+    mpirun, _ = mpirun_command(2)
+    if mpirun:
+        cases["peer: mpirun -n 2 (Open MPI)"] = [*mpirun, sys.executable, RANK_SCRIPT,
+                                                 "PIDDIR"]
+        envs["peer: mpirun -n 2 (Open MPI)"] = mpirun_env()
+    print(f"{'case':<52} {'median ms':>10} {'max ms':>10}  trials (ms; '-' = alive after "
+          f"{opts.cap:g} s)")
+    for name, command in cases.items():
+        times = []
+        for _ in range(opts.trials):
+            env = envs.get(name)
+            if env is not None:
+                env = {**env, "MASTER_PORT": str(_free_port())}
+            times.append(trial(command, 2, opts.cap, env))
+        done = [t for t in times if t is not None]
+        median = f"{statistics.median(done) * 1e3:.1f}" if len(done) == len(times) else "-"
+        worst = f"{max(done) * 1e3:.1f}" if len(done) == len(times) else "-"
+        listed = " ".join("-" if t is None else f"{t * 1e3:.1f}" for t in times)
+        print(f"{name:<52} {median:>10} {worst:>10}  {listed}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -176,31 +175,13 @@ def test_a_normal_run_and_an_elastic_run_are_not_affected(tmp_path: Path):
 
 # -- gc.spawn ---------------------------------------------------------------------------------
 
-_SPAWN_CALLER = textwrap.dedent("""
-    import os, sys, time
-    import numpy as np
-    import gpucoll as gc
-
-    def work(comm, piddir):
-        path = os.path.join(piddir, f"rank{comm.rank}.pid")
-        with open(path + ".tmp", "w") as handle:
-            handle.write(str(os.getpid()))
-        os.replace(path + ".tmp", path)
-        while True:
-            comm.all_reduce(np.ones(3))
-            time.sleep(0.01)
-
-    if __name__ == "__main__":
-        gc.spawn(work, 2, args=(sys.argv[1],), backend="cpu", timeout=60)
-""")
+SPAWN_CALLER = str(SCRIPTS / "orphan_spawn_caller.py")
 
 
 def test_spawned_ranks_die_with_their_sigkilled_caller(tmp_path: Path):
-    script = tmp_path / "caller.py"
-    script.write_text(_SPAWN_CALLER)
     piddir = tmp_path / "pids"
     piddir.mkdir()
-    caller = subprocess.Popen([sys.executable, str(script), str(piddir)], cwd=tmp_path,
+    caller = subprocess.Popen([sys.executable, SPAWN_CALLER, str(piddir)], cwd=tmp_path,
                               env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     pids: Dict[str, int] = {}
@@ -263,7 +244,7 @@ def test_a_rank_whose_launcher_is_already_gone_stops_at_once():
     assert time.monotonic() - start < DEADLINE
     assert result.returncode == -signal.SIGTERM, result.stderr
     assert result.stdout == "gone\n"
-    assert f"gpucoll: rank 3 (pid " in result.stderr
+    assert "gpucoll: rank 3 (pid " in result.stderr
     assert f"): the launcher (pid {dead.pid}) is gone" in result.stderr
 
 
