@@ -96,6 +96,7 @@ def rank_dies_during_node_aware(rank, size, url, host_ids, collective, victim):
     try:
         for _ in range(5):
             calls[collective]()
+        comm.barrier()  # a broadcast's root may finish its sends into socket buffers
     except GpucollError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     return None
