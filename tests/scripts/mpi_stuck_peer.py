@@ -1,5 +1,7 @@
 """Rank program for tests/test_real_launchers.py: under mpirun on the MPI backend, rank 1
-never joins the all-reduce; rank 0 must get gpucoll's timeout, not block forever in MPI."""
+never joins the all-reduce; rank 0 must get gpucoll's timeout, not block forever in MPI. The
+timeout (argv[1]) also bounds init's own exchange, so it must exceed the ranks' start-up skew
+on a loaded machine (the tests use 4 s)."""
 
 import os
 import sys
