@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU tests skip with a reason when CuPy or a CUDA device is missing."""
+"""Shared test set-up: GPU tests skip with a reason when CuPy or a CUDA device is missing;
+``solo`` is a world of one on the cpu backend."""
 
 import os
 import sys
@@ -18,3 +19,13 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory):
+    """A one-rank cpu communicator (a file store), for checks that need no peers."""
+    import gpucoll
+
+    url = f"file://{tmp_path_factory.mktemp('store')}/store"
+    with gpucoll.init(backend="cpu", rank=0, world_size=1, url=url, timeout=10) as comm:
+        yield comm

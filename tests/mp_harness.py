@@ -196,3 +196,18 @@ def _init_then(rank: int, size: int, url: str, backend: str, fn: Callable, *args
             comm.close(timeout=10)
         except Exception:
             pass
+
+
+def rank_pools(sizes, ids=lambda n: f"{n}ranks", **pool_args):
+    """A module-scoped ``pool`` fixture: a :class:`RankPool` for each world size in ``sizes``
+    (``pool_args`` go to it), closed when the module's tests are done. Use as
+    ``pool = rank_pools([2, 3])`` at module level."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=list(sizes), ids=ids)
+    def pool(request):
+        ranks = RankPool(request.param, **pool_args)
+        yield ranks
+        ranks.close()
+
+    return pool

@@ -7,12 +7,11 @@ import contextlib
 import numpy as np
 import pytest
 
-import gpucoll
 from gpucoll import kernels
 from gpucoll.ddp import (Bucketer, DistributedSampler, SyncBatchNorm, all_reduce_metrics,
                          broadcast_parameters, plan_buckets, sync_batch_stats)
 from gpucoll.examples.train_digits import init_params, loss_and_grads, sgd_step
-from mp_harness import RankPool
+from mp_harness import rank_pools
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,18 +20,7 @@ GLOBAL_BATCH = 12              # divisible by 1, 2, 3, 4
 STEPS, LR = 4, 0.1
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def solo(tmp_path_factory):
-    url = f"file://{tmp_path_factory.mktemp('store')}/store"
-    with gpucoll.init(backend="cpu", rank=0, world_size=1, url=url, timeout=10) as comm:
-        yield comm
+pool = rank_pools([2, 3])
 
 
 def _data(micro):

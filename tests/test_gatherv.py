@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mp_harness import RankPool
+from mp_harness import rank_pools
 from reference import make_input
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,11 +47,7 @@ def expected(pattern, size, trailing, dtype, seed):
     return np.concatenate(parts), [len(p) for p in parts]
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
+pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}")
 
 
 def rank_gathers(comm, all_cases):

@@ -6,18 +6,14 @@ import pytest
 
 from gpucoll.ddp import Bucketer, DynamicLossScaler
 from gpucoll.examples.train_digits import init_params, loss_and_grads, sgd_step
-from mp_harness import RankPool
+from mp_harness import RankPool, rank_pools
 
 pytestmark = pytest.mark.timeout(120)
 
 SIZES = [10, 9, 4]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
+pool = rank_pools([2, 3])
 
 
 def test_backoff_growth_and_bounds():

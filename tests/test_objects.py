@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpucoll import objects
-from mp_harness import RankPool
+from mp_harness import rank_pools
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -172,11 +172,7 @@ def test_decode_refuses_corrupt_data_and_never_unpickles():
 
 
 # ---------------------------------------------------------------- collectives, real processes
-@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
+pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}")
 
 
 def rank_object_collectives(comm):

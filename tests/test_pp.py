@@ -14,7 +14,7 @@ from gpucoll.examples.train_digits import init_params, loss_and_grads
 from gpucoll.types import wire_code
 from gpucoll.pp import (Linear, Pipeline, ReLU, Stage, bubble_fraction, mlp_layers,
                         peak_in_flight, pipeline_groups, schedule_actions)
-from mp_harness import RankPool, run_ranks
+from mp_harness import rank_pools, run_ranks
 
 # ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
 _ONE_BLAS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -122,11 +122,7 @@ def pipelined_steps(comm, schedule, micro_batches, recompute):
     return results, evaluated, stage.stored
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}stages")
-def pool(request):
-    pool = RankPool(request.param, env=_ONE_BLAS)
-    yield pool
-    pool.close()
+pool = rank_pools([2, 3], ids=lambda n: f"{n}stages", env=_ONE_BLAS)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -10,7 +10,7 @@ import pytest
 
 from gpucoll.examples.train_digits import init_params, loss_and_grads, sgd_step
 from gpucoll.ps import ParameterServer, PSLayout, PSWorker
-from mp_harness import RankPool, run_ranks
+from mp_harness import RankPool, rank_pools, run_ranks
 
 # ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
 _ONE_BLAS_THREAD = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -22,11 +22,7 @@ BATCH = 12                 # divisible by 1, 2 and 3 workers
 STEPS, LR = 4, 0.1
 
 
-@pytest.fixture(scope="module", params=[3, 4], ids=lambda n: f"{n}ranks")
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
+pool = rank_pools([3, 4])
 
 
 def _data():

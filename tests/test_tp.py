@@ -7,9 +7,8 @@ import os
 import numpy as np
 import pytest
 
-import gpucoll
 from gpucoll.tp import ColumnParallelLinear, ParallelMLP, RowParallelLinear, init_linear
-from mp_harness import RankPool
+from mp_harness import RankPool, rank_pools
 
 # ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
 _ONE_BLAS_THREAD = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -20,18 +19,7 @@ IN, HIDDEN, OUT = 7, 12, 5     # hidden divides by 2, 3, 4; IN and OUT are prime
 ROWS = 12
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def solo(tmp_path_factory):
-    url = f"file://{tmp_path_factory.mktemp('store')}/store"
-    with gpucoll.init(backend="cpu", rank=0, world_size=1, url=url, timeout=10) as comm:
-        yield comm
+pool = rank_pools([2, 3, 4])
 
 
 class Counting:

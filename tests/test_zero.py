@@ -7,10 +7,9 @@ import os
 import numpy as np
 import pytest
 
-import gpucoll
 from gpucoll.ddp import Bucketer, DynamicLossScaler, ShardedOptimizer
 from gpucoll.examples.train_digits import init_params, loss_and_grads
-from mp_harness import RankPool
+from mp_harness import RankPool, rank_pools
 
 # ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
 _ONE_BLAS_THREAD = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -24,18 +23,7 @@ CAPS = dict(first_bucket_cap_bytes=64, bucket_cap_bytes=512)   # several buckets
 SETTINGS = {"sgd": dict(lr=0.1, momentum=0.9), "adam": dict(lr=0.01)}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
-def pool(request):
-    pool = RankPool(request.param)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def solo(tmp_path_factory):
-    url = f"file://{tmp_path_factory.mktemp('store')}/store"
-    with gpucoll.init(backend="cpu", rank=0, world_size=1, url=url, timeout=10) as comm:
-        yield comm
+pool = rank_pools([2, 3])
 
 
 class ReferenceOptimizer:
