@@ -60,8 +60,18 @@ class Communicator(CompositeCollectives, abc.ABC):
     memory: str = "host"
     timeout: float
     lost: Mapping[int, str] = MappingProxyType({})
+    _aborted: Optional[str] = None  # why the communicator was aborted (backends set it)
+    _closed: bool = False
 
     # ------------------------------------------------------------------ checks
+    def _check_alive(self) -> None:
+        """CommAbortedError once the communicator is aborted or closed (before anything is sent)."""
+        if self._aborted is not None:
+            raise CommAbortedError(f"rank {self.rank}: communicator was aborted ({self._aborted}); "
+                                   f"create a new one")
+        if self._closed:
+            raise CommAbortedError(f"rank {self.rank}: communicator is closed")
+
     def _array(self, x: Array, name: str) -> Array:
         """Return ``x`` as the backend's array type, checking type, dtype and contiguity."""
         x = self._import_array(x, name)

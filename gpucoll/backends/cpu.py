@@ -171,13 +171,6 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
             self._seq += 1
             return self._seq
 
-    def _check_alive(self) -> None:
-        if self._aborted is not None:
-            raise CommAbortedError(f"rank {self.rank}: communicator was aborted ({self._aborted}); "
-                                   f"create a new one")
-        if self._closed:
-            raise CommAbortedError(f"rank {self.rank}: communicator is closed")
-
     def _submit(self, name: str, seq: int, channels: Sequence[Channel],
                 body: Callable[[float], object], async_op: bool, timeout: Optional[float] = None):
         """Run ``body(deadline)`` in issue order, now or (async_op) on a worker thread."""

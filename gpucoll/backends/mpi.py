@@ -186,13 +186,6 @@ class MPICommunicator(HostShortPaths, Communicator):
         return Staged.empty(shape, dtype, like=like, stream=stream)
 
     # ------------------------------------------------------------------ progress
-    def _check_alive(self) -> None:
-        if self._aborted is not None:
-            raise CommAbortedError(f"rank {self.rank}: communicator was aborted ({self._aborted}); "
-                                   f"create a new one")
-        if self._closed:
-            raise CommAbortedError(f"rank {self.rank}: communicator is closed")
-
     def _next_seq(self) -> int:
         return next(self._seqs)
 
