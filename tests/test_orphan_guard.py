@@ -243,7 +243,9 @@ def test_a_rank_whose_launcher_is_already_gone_stops_at_once():
     result = _guard_in_child(dead.pid, code=code)
     assert time.monotonic() - start < DEADLINE
     assert result.returncode == -signal.SIGTERM, result.stderr
-    assert result.stdout == "gone\n"
+    # guard_rank() says "gone" while its thread already stops the rank: the SIGTERM may land
+    # before, between or after print's writes
+    assert result.stdout in ("", "gone", "gone\n"), result.stdout
     assert "gpucoll: rank 3 (pid " in result.stderr
     assert f"): the launcher (pid {dead.pid}) is gone" in result.stderr
 
