@@ -275,29 +275,30 @@ def kernel_source(name: str) -> str:
     return text.replace('#include "common.cuh"', common)
 
 
-def _template_name(name: str, array_dtype: str, bucket_dtype: str) -> str:
+def _template_name(name: str, array_dtype: str, bucket_dtype: str, check: bool) -> str:
     if name == "bucket_pack":
-        src, dst = array_dtype, bucket_dtype
-    else:
-        src, dst = bucket_dtype, array_dtype
-    return f"gpucoll_{name}<{_C_TYPES[src]}, {_C_TYPES[dst]}>"
+        return f"gpucoll_{name}<{_C_TYPES[array_dtype]}, {_C_TYPES[bucket_dtype]}>"
+    flag = "true" if check else "false"
+    return f"gpucoll_{name}<{_C_TYPES[bucket_dtype]}, {_C_TYPES[array_dtype]}, {flag}>"
 
 
-def compile_request(name: str, array_dtype: str,
-                    bucket_dtype: str) -> Tuple[str, Tuple[str, ...], str]:
+def compile_request(name: str, array_dtype: str, bucket_dtype: str,
+                    check: bool = False) -> Tuple[str, Tuple[str, ...], str]:
     """What the loader hands ``cupy.RawModule`` for one kernel and dtype pair: ``(source,
-    options, name expression)``. CuPy appends its own options (``-ftz=true`` among them) after
-    these; the kernels keep subnormals regardless (see ``kernels/common.cuh``)."""
+    options, name expression)``; ``check``: the unpack variant that flags non-finite values.
+    CuPy appends its own options (``-ftz=true`` among them) after these; the kernels keep
+    subnormals regardless (see ``kernels/common.cuh``)."""
     _check_pair(array_dtype, bucket_dtype)
-    return kernel_source(name), NVRTC_OPTIONS, _template_name(name, array_dtype, bucket_dtype)
+    return (kernel_source(name), NVRTC_OPTIONS,
+            _template_name(name, array_dtype, bucket_dtype, check))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_id: int, name: str, array_dtype: str, bucket_dtype: str):
-    """Compiled kernel for one device and dtype pair (memoized: compiled once)."""
+def _kernel(device_id: int, name: str, array_dtype: str, bucket_dtype: str, check: bool = False):
+    """Compiled kernel for one device, dtype pair and variant (memoized: compiled once)."""
     import cupy
 
-    source, options, expression = compile_request(name, array_dtype, bucket_dtype)
+    source, options, expression = compile_request(name, array_dtype, bucket_dtype, check)
     with cupy.cuda.Device(device_id):
         module = cupy.RawModule(code=source, options=options, name_expressions=[expression])
         return module.get_function(expression)
@@ -344,16 +345,13 @@ def _launch(name: str, arrays: Sequence[Any], bucket: Any, offsets: List[int], s
     import cupy
 
     bucket_dtype = _dtype_name(bucket.dtype)
-    kernel = _kernel(bucket.device.id, name, array_dtype, bucket_dtype)
+    check = found_inf is not None
+    kernel = _kernel(bucket.device.id, name, array_dtype, bucket_dtype, check)
     pointers = [array.data.ptr for array in arrays]
     with bucket.device:  # every allocation and launch below on the bucket's GPU
-        if found_inf is None and name == "bucket_unpack":
-            flag, check = cupy.zeros(1, dtype=np.int32), 0  # never written (check == 0)
-        else:
-            flag, check = found_inf, 1
         for n_arrays, grid, table in work_tables(pointers, offsets, sizes):
             args = [cupy.asarray(table), np.int32(n_arrays), np.int64(TILE_ELEMS), bucket,
                     np.float64(scale)]
-            if name == "bucket_unpack":
-                args += [np.int32(check), flag]
+            if name == "bucket_unpack":  # the flag; null for the variant that never reads it
+                args.append(found_inf if check else np.uint64(0))
             kernel((grid,), (THREADS_PER_BLOCK,), tuple(args))

@@ -347,10 +347,13 @@ def test_gpu_unpack_flags_non_finite(bad):
 def test_gpu_kernels_compiled_once_per_device_and_pair():
     cupy = _cupy()
     kernels._kernel.cache_clear()
+    flag = cupy.zeros(1, cupy.int32)
     for _ in range(3):
         kernels.pack([cupy.ones(10, cupy.float32)], cupy.zeros(10, cupy.float16))
         kernels.unpack(cupy.zeros(10, cupy.float16), [cupy.ones(10, cupy.float32)])
-    assert kernels._kernel.cache_info().currsize == 2
+        kernels.unpack(cupy.zeros(10, cupy.float16), [cupy.ones(10, cupy.float32)], found_inf=flag)
+    assert kernels._kernel.cache_info().currsize == 3  # pack, unpack, unpack with the check
+    assert int(flag[0]) == 0
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Every kernel instantiation compiles through NVRTC exactly as the loader asks CuPy to, no GPU.
 
 The loader (``gpucoll.kernels._kernel``) hands ``cupy.RawModule`` a source, options and one name
-expression per (kernel, dtype pair). Here the same request goes through CuPy's own compile path
+expression per (kernel, dtype pair, and for unpack whether it checks for non-finite values). Here the same request goes through CuPy's own compile path
 (``cupy._core.core.compile_with_cache``: CuPy's include paths, then ``-ftz=true``, the arch and
 ``--device-as-default-execution-space``) for sm_80, sm_90 and sm_100. Only two things differ from
 a run on a GPU: the arch is given instead of read from the device, and NVRTC is asked for PTX
@@ -10,8 +10,8 @@ there, before CuPy would load the module into a CUDA context.
 
 Checks: the PTX has the entry point of the name expression, no ``.ftz`` instruction at all (CuPy's
 ``-ftz=true`` would otherwise flush float32 / bfloat16 subnormals), the scale multiply is
-``mul.rn``, and ``ptxas -v`` (where one is installed: the ``nvidia-cuda-nvcc-cu12`` wheel or a
-CUDA toolkit) reports no register spills.
+``mul.rn``, and ``ptxas -v`` (where one is installed: the ``nvidia-cuda-nvcc-cu12`` /
+``nvidia-cuda-nvcc`` (CUDA 13) wheel or a CUDA toolkit) reports no register spills.
 
 Needs CuPy with NVRTC (``pip install 'cupy-cuda12x[ctk]'``); skipped with the reason otherwise.
 """
@@ -26,7 +26,9 @@ import pytest
 from gpucoll import kernels
 
 ARCHS = ("80", "90", "100")
-NAMES = ("bucket_pack", "bucket_unpack")
+# (kernel, check): unpack has a variant that flags non-finite values (a template argument)
+VARIANTS = (("bucket_pack", False), ("bucket_unpack", False), ("bucket_unpack", True))
+VARIANT_IDS = ("pack", "unpack", "unpack-check")
 PAIRS = sorted(kernels.SUPPORTED_PAIRS)
 
 
@@ -50,7 +52,7 @@ class _Compiled(Exception):
 
 @pytest.fixture(scope="module")
 def compile_like_loader():
-    """``compile(name, array_dtype, bucket_dtype, arch) -> (options, ptx, lowered name)``."""
+    """``compile(variant, array_dtype, bucket_dtype, arch) -> (options, ptx, lowered name)``."""
     core, compiler = _cupy_compiler()
     for attribute in ("_NVRTCProgram", "_get_arch_for_options_for_nvrtc"):
         assert hasattr(compiler, attribute), (
@@ -66,10 +68,11 @@ def compile_like_loader():
 
     cache = {}
 
-    def compile(name, array_dtype, bucket_dtype, arch):
-        key = (name, array_dtype, bucket_dtype, arch)
+    def compile(variant, array_dtype, bucket_dtype, arch):
+        key = (variant, array_dtype, bucket_dtype, arch)
         if key not in cache:
-            source, options, expression = kernels.compile_request(name, array_dtype, bucket_dtype)
+            source, options, expression = kernels.compile_request(variant[0], array_dtype,
+                                                                  bucket_dtype, variant[1])
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(compiler._NVRTCProgram, "compile", compile_and_stop)
                 patch.setattr(compiler, "_get_arch_for_options_for_nvrtc",
@@ -90,11 +93,11 @@ def compile_like_loader():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
-def test_instantiation_compiles_without_ftz(compile_like_loader, name, pair, arch):
-    options, ptx, lowered = compile_like_loader(name, pair[0], pair[1], arch)
-    _, loader_options, _ = kernels.compile_request(name, *pair)
+def test_instantiation_compiles_without_ftz(compile_like_loader, variant, pair, arch):
+    options, ptx, lowered = compile_like_loader(variant, pair[0], pair[1], arch)
+    _, loader_options, _ = kernels.compile_request(variant[0], *pair)
     assert all(option in options for option in loader_options)
     assert "-ftz=true" in options, "CuPy's option assembly changed: the .ftz check is moot"
     assert f"-arch=compute_{arch}" in options
@@ -106,27 +109,31 @@ def test_instantiation_compiles_without_ftz(compile_like_loader, name, pair, arc
 
 
 def _ptxas():
-    """A ptxas: the nvidia-cuda-nvcc wheel's (same release as the NVRTC wheel), else PATH's."""
+    """A ptxas: the nvidia-cuda-nvcc wheel's (same release as the NVRTC wheel), else PATH's.
+
+    The CUDA 12 wheels put it in ``nvidia/cuda_nvcc/bin``, the CUDA 13 ones in ``nvidia/cu13/bin``.
+    """
     try:
         import nvidia
 
         for base in nvidia.__path__:
-            path = os.path.join(base, "cuda_nvcc", "bin", "ptxas")
-            if os.access(path, os.X_OK):
-                return path
+            for folder in ("cuda_nvcc", "cu13"):
+                path = os.path.join(base, folder, "bin", "ptxas")
+                if os.access(path, os.X_OK):
+                    return path
     except ImportError:
         pass
     return shutil.which("ptxas")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", NAMES)
-def test_no_register_spills(compile_like_loader, tmp_path, name, arch):
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_no_register_spills(compile_like_loader, tmp_path, variant, arch):
     ptxas = _ptxas()
     if ptxas is None:
         pytest.skip("no ptxas (pip install nvidia-cuda-nvcc-cu12, or a CUDA toolkit on PATH)")
     for array_dtype, bucket_dtype in PAIRS:
-        _, ptx, lowered = compile_like_loader(name, array_dtype, bucket_dtype, arch)
+        _, ptx, lowered = compile_like_loader(variant, array_dtype, bucket_dtype, arch)
         source = tmp_path / f"{lowered}.ptx"
         source.write_text(ptx)
         proc = subprocess.run([ptxas, "-v", f"-arch=sm_{arch}", str(source), "-o",

@@ -28,8 +28,12 @@ void pack_body(void* raw) {
 template <typename Src, typename Dst>
 void unpack_body(void* raw) {
   const Arguments& a = *static_cast<const Arguments*>(raw);
-  gpucoll_bucket_unpack<Src, Dst>(a.table, a.n_arrays, a.tile, static_cast<const Src*>(a.bucket),
-                                  a.scale, a.check, a.found_inf);
+  const Src* bucket = static_cast<const Src*>(a.bucket);
+  if (a.check) {
+    gpucoll_bucket_unpack<Src, Dst, true>(a.table, a.n_arrays, a.tile, bucket, a.scale, a.found_inf);
+  } else {
+    gpucoll_bucket_unpack<Src, Dst, false>(a.table, a.n_arrays, a.tile, bucket, a.scale, nullptr);
+  }
 }
 
 typedef void (*Body)(void*);
