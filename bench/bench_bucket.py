@@ -1,20 +1,22 @@
 """Bucketing benchmark: fused pack / unpack, and end-to-end gradient averaging.
 
 1. Pack and unpack 1,000 arrays of mixed sizes (1 KiB - 4 MiB, 64 MiB in all, float32):
-   * GPU (CuPy and a device present): the fused kernels (float32 and float32 -> bfloat16 /
-     float16 buckets) against the device-to-device copy bandwidth measured in the same run
-     (one 64 MiB ``cupy.copyto``) and a per-array CuPy copy loop.
+   * GPU (CuPy and a device present): the fused kernels (float32 buckets, and float32 ->
+     bfloat16 / float16 buckets and back) against the device-to-device copy bandwidth measured
+     in the same run (one 64 MiB ``cupy.copyto``) and per-array CuPy loops; ``--json`` keeps
+     the times and the ratios the goals are judged by.
    * CPU: the NumPy path against ``np.concatenate`` and a per-array copy loop.
 2. End to end on the CPU backend with 2 ranks: a simulated backward marks the 1,000 gradients
    ready (last first, compute time proportional to size); reported is the time from the last
    ``mark_ready`` to ``finish()`` returning (all gradients averaged), per bucket cap.
 
-    python bench/bench_bucket.py [--skip-gpu] [--skip-e2e] [--backward-ms 300]
+    python bench/bench_bucket.py [--skip-gpu] [--skip-cpu] [--skip-e2e] [--backward-ms 300] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -108,23 +110,26 @@ def bench_cpu(sizes):
         row(name, best_of(fn, 5)[0], nbytes)
 
 
-def bench_gpu(sizes):
+def bench_gpu(sizes, json_path=None):
+    """The fused kernels against one device-to-device copy and per-array loops; verdicts on the
+    two goals (pack / unpack at >= 85 % of the copy's bandwidth, >= 10x the per-array loop)."""
     try:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() == 0:
             raise RuntimeError("no device")
     except Exception as exc:
         print(f"# GPU part skipped: {type(exc).__name__}: {exc}")
-        return
+        return None
     total = sum(sizes)
     nbytes = total * 4
     arrays = [cupy.random.standard_normal(n, dtype=cupy.float32) for n in sizes]
     bucket = cupy.empty(total, cupy.float32)
     offsets = list(np.cumsum([0] + sizes[:-1]))
     flat = cupy.empty(total, cupy.float32)
-    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
     print(f"# GPU {name}, {len(sizes)} arrays, {nbytes / MiB:.0f} MiB float32; "
-          f"GB/s = bytes read / time (events, median of 20)")
+          f"GB/s = float32 bytes of the arrays / time (events, median of 20)")
 
     def timed(fn, repeat=20):
         fn()
@@ -147,23 +152,52 @@ def bench_gpu(sizes):
         for a, o, n in zip(arrays, offsets, sizes):
             cupy.multiply(bucket[o:o + n], 0.5, out=a)
 
-    cases = [("device-to-device copy, one 64 MiB array", lambda: cupy.copyto(flat, bucket)),
-             ("per-array CuPy copy loop", loop_copy),
-             ("kernels.pack", lambda: kernels.pack(arrays, bucket, offsets=offsets)),
-             ("kernels.pack -> float16", lambda: kernels.pack(arrays, cupy.empty(total, cupy.float16))),
-             ("per-array CuPy unpack loop (x 0.5)", loop_unpack),
-             ("kernels.unpack scale=0.5", lambda: kernels.unpack(bucket, arrays, offsets=offsets,
-                                                                  scale=0.5)),
-             ("kernels.unpack scale=0.5 + non-finite check",
+    cases = [("copy", "device-to-device copy, one 64 MiB array", lambda: cupy.copyto(flat, bucket)),
+             ("loop_pack", "per-array CuPy copy loop", loop_copy),
+             ("pack", "kernels.pack", lambda: kernels.pack(arrays, bucket, offsets=offsets)),
+             ("loop_unpack", "per-array CuPy unpack loop (x 0.5)", loop_unpack),
+             ("unpack", "kernels.unpack scale=0.5", lambda: kernels.unpack(bucket, arrays, offsets=offsets,
+                                                                           scale=0.5)),
+             ("unpack_check", "kernels.unpack scale=0.5 + non-finite check",
               lambda: kernels.unpack(bucket, arrays, offsets=offsets, scale=0.5,
                                      found_inf=cupy.zeros(1, cupy.int32)))]
+    halves = [("float16", cupy.float16)]
     try:
-        bf = cupy.empty(total, kernels.bfloat16)
-        cases.insert(4, ("kernels.pack -> bfloat16", lambda: kernels.pack(arrays, bf)))
-    except Exception:
-        print("# (this CuPy has no bfloat16 arrays: bfloat16 case skipped)")
-    for label, fn in cases:
-        row(label, timed(fn), nbytes)
+        if kernels.bfloat16 is None:
+            raise TypeError("ml_dtypes is not installed")
+        cupy.empty(1, kernels.bfloat16)
+        halves.append(("bfloat16", kernels.bfloat16))
+    except Exception as exc:
+        print(f"# bfloat16 cases skipped: {type(exc).__name__}: {exc}")
+    for label, dtype in halves:
+        half = cupy.empty(total, dtype)
+        cases.append((f"pack_{label}", f"kernels.pack -> {label}",
+                      lambda half=half: kernels.pack(arrays, half)))
+        cases.append((f"unpack_{label}", f"kernels.unpack {label} -> float32 x 0.5",
+                      lambda half=half: kernels.unpack(half, arrays, scale=0.5)))
+    seconds = {}
+    for key, label, fn in cases:
+        seconds[key] = timed(fn)
+        row(label, seconds[key], nbytes)
+    copy = seconds["copy"]
+    verdicts = {
+        "pack_vs_copy": copy / seconds["pack"], "unpack_vs_copy": copy / seconds["unpack"],
+        "pack_vs_loop": seconds["loop_pack"] / seconds["pack"],
+        "unpack_vs_loop": seconds["loop_unpack"] / seconds["unpack"],
+    }
+    print(f"# pack {100 * verdicts['pack_vs_copy']:.0f} % and unpack "
+          f"{100 * verdicts['unpack_vs_copy']:.0f} % of the copy's bandwidth (goal >= 85 %); "
+          f"{verdicts['pack_vs_loop']:.1f}x and {verdicts['unpack_vs_loop']:.1f}x the per-array "
+          f"loops (goal >= 10x)")
+    result = {"device": name, "cupy": cupy.__version__, "arrays": len(sizes), "bytes": nbytes,
+              "date": time.strftime("%Y-%m-%d"),
+              "seconds": seconds, "ratios": verdicts,
+              "goals_met": verdicts["pack_vs_copy"] >= 0.85 and verdicts["unpack_vs_copy"] >= 0.85
+              and verdicts["pack_vs_loop"] >= 10 and verdicts["unpack_vs_loop"] >= 10}
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return result
 
 
 def _e2e_rank(rank, url, sizes, caps, backward_s, repeat, results):
@@ -218,10 +252,11 @@ def main(argv=None):
     parser.add_argument("--skip-cpu", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--backward-ms", type=float, default=300.0)
+    parser.add_argument("--json", metavar="PATH", help="write the GPU part's times and ratios as JSON")
     args = parser.parse_args(argv)
     sizes = mixed_sizes()
     if not args.skip_gpu:
-        bench_gpu(sizes)
+        bench_gpu(sizes, args.json)
     if not args.skip_cpu:
         bench_cpu(sizes)
     if not args.skip_e2e:

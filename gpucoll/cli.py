@@ -157,6 +157,8 @@ def _add_bench_parser(commands) -> None:
     add("--csv", default=None, metavar="FILE", help="write every row as CSV")
     add("--plot", default=None, metavar="FILE.png",
         help="plot busbw against size (needs matplotlib: pip install 'gpucoll[plot]')")
+    add("--from-json", default=None, metavar="FILE",
+        help="measure nothing: write --plot / --csv from a saved --json document")
     bench.set_defaults(handler=_cmd_bench, subparser=bench)
 
 
@@ -204,6 +206,8 @@ def _cmd_bench(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -
     from . import perf
 
     try:
+        if namespace.from_json:
+            return perf.from_document(namespace.from_json, namespace.csv, namespace.plot)
         names = (list(perf.COLLECTIVES) if namespace.collective == "all"
                  else [namespace.collective])
         step = perf.parse_size(namespace.stepbytes) if namespace.stepbytes else 0

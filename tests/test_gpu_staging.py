@@ -1,4 +1,5 @@
-"""CuPy arrays on the CPU backend: staged through host memory, results back on the device.
+"""CuPy arrays on the CPU backend, every collective: staged through host memory, results back on
+the device.
 
 This is how several processes share one GPU without NCCL. Skipped without CuPy and a GPU.
 """
@@ -31,6 +32,28 @@ def rank_cupy_collectives(comm):
             cupy.asnumpy(b), cupy.asnumpy(work.result()))
 
 
+def rank_cupy_remaining_collectives(comm):
+    """reduce, gather, scatter, all_to_all, send / recv and barrier on CuPy arrays."""
+    import cupy
+
+    n, r = comm.size, comm.rank
+    reduced = comm.reduce(cupy.full(6, r + 1, cupy.int64), root=1, op="max")
+    gathered = comm.gather(cupy.full(2, r, cupy.float32), root=0)
+    blocks = cupy.arange(n * 3, dtype=cupy.float64).reshape(n, 3) if r == 0 else None
+    chunk = comm.scatter(blocks, root=0, out=cupy.empty(3, cupy.float64))
+    exchanged = comm.all_to_all(cupy.arange(n * 2, dtype=cupy.int32).reshape(n, 2) + 100 * r)
+    if r == 0:
+        comm.send(cupy.arange(4, dtype=cupy.float16), dst=1)
+        received = None
+    else:
+        received = comm.recv(cupy.empty(4, cupy.float16), src=0)
+    comm.barrier()
+    kinds = {type(v).__module__.split(".")[0] for v in (reduced, gathered, chunk, exchanged, received)
+             if v is not None}
+    host = lambda v: None if v is None else cupy.asnumpy(v)  # noqa: E731
+    return kinds, host(reduced), host(gathered), host(chunk), host(exchanged), host(received)
+
+
 def test_cupy_arrays_staged_through_host():
     pool = RankPool(2)
     try:
@@ -44,3 +67,22 @@ def test_cupy_arrays_staged_through_host():
         np.testing.assert_array_equal(scattered, np.full(4, 2.0))
         np.testing.assert_array_equal(b, np.arange(5))
         np.testing.assert_array_equal(avg, np.full(7, 4.0))
+
+
+def test_every_other_collective_on_cupy_arrays():
+    pool = RankPool(2)
+    try:
+        results = pool.run(rank_cupy_remaining_collectives)
+    finally:
+        pool.close()
+    for r, (kinds, reduced, gathered, chunk, exchanged, received) in enumerate(results):
+        assert kinds == {"cupy"}, f"rank {r}: results must come back as CuPy arrays, got {kinds}"
+        if r == 1:
+            np.testing.assert_array_equal(reduced, np.full(6, 2))
+            np.testing.assert_array_equal(received, np.arange(4, dtype=np.float16))
+        else:
+            assert reduced is None and received is None
+            np.testing.assert_array_equal(gathered, [[0, 0], [1, 1]])
+        np.testing.assert_array_equal(chunk, np.arange(6, dtype=np.float64).reshape(2, 3)[r])
+        sent = [np.arange(4, dtype=np.int32).reshape(2, 2) + 100 * q for q in range(2)]
+        np.testing.assert_array_equal(exchanged, np.stack([sent[q][r] for q in range(2)]))

@@ -191,3 +191,36 @@ def test_transports_under_gpucoll_run(tmp_path):
     (row,) = doc["rows"]
     assert row["unix/out"]["wrong"] == 0 and row["tcp/out"]["wrong"] == 0
     assert doc["machine"]["transports"]["tcp"].endswith("links: tcp")
+
+
+def test_from_json_writes_the_same_csv_and_a_plot_without_measuring(tmp_path):
+    saved, live_csv, again_csv = tmp_path / "run.json", tmp_path / "live.csv", tmp_path / "again.csv"
+    proc = _run("-m", "gpucoll", "bench", "all_gather", "-g", "2", "-b", "1K", "-e", "4K", "-f", "4",
+                "-n", "2", "-w", "1", "--json", str(saved), "--csv", str(live_csv))
+    assert proc.returncode == 0, proc.stderr
+    args = ["-m", "gpucoll", "bench", "--from-json", str(saved), "--csv", str(again_csv)]
+    try:
+        import matplotlib  # noqa: F401
+        args += ["--plot", str(tmp_path / "run.png")]
+    except ImportError:
+        pass
+    proc = _run(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "nRanks" not in proc.stdout + proc.stderr, "nothing is measured again"
+    assert again_csv.read_text() == live_csv.read_text()
+    if "--plot" in args:
+        assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "needs --plot FILE.png or --csv FILE"),
+    ("size,count\n1,2\n", "not a gpucoll bench --json document"),
+    ('{"rows": [{"size": 8}]}', "not a gpucoll bench --json document"),
+])
+def test_from_json_usage_errors_exit_2(tmp_path, content, message):
+    saved = tmp_path / "saved.json"
+    saved.write_text(content if content is not None else '{"rows": []}')
+    extra = [] if content is None else ["--csv", str(tmp_path / "out.csv")]
+    proc = _run("-m", "gpucoll", "bench", "--from-json", str(saved), *extra)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.csv").exists()

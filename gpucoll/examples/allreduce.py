@@ -6,7 +6,8 @@ Run with::
     gpucoll run -n 4 -m gpucoll.examples.allreduce [--max-bytes 64MiB]
 
 Uses NCCL on CuPy arrays when CuPy, NCCL and a GPU are usable (``backend="auto"``), else the
-CPU backend on NumPy arrays.
+CPU backend on NumPy arrays. ``--arrays cupy`` with ``GPUCOLL_BACKEND=cpu`` reduces CuPy arrays
+through the CPU backend (staged through host memory: several processes sharing one GPU).
 """
 
 from __future__ import annotations
@@ -30,22 +31,33 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-bytes", default="64MiB", help="largest message (e.g. 64MiB)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--arrays", choices=("auto", "numpy", "cupy"), default="auto",
+                        help="array type (default auto: CuPy where the backend works on device "
+                             "memory, else NumPy)")
     args = parser.parse_args(argv)
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     text = args.max_bytes.lower().replace("ib", "").replace("b", "")
     max_bytes = int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
+    if args.arrays == "cupy":
+        from gpucoll.cuda_env import gpu_unavailable_reason
+
+        reason = gpu_unavailable_reason()
+        if reason:
+            raise SystemExit(f"--arrays cupy needs CuPy and a GPU: {reason}")
     with gpucoll.init() as comm:
         n, rank = comm.size, comm.rank
         dtype = np.dtype(args.dtype)
         xp, sync = np, (lambda: None)
-        if comm.memory == "cuda":  # device arrays, enqueued on the current stream
+        if args.arrays == "numpy" and comm.memory == "cuda":
+            raise SystemExit(f"--arrays numpy: backend {comm.backend} takes device arrays only")
+        if args.arrays == "cupy" or (args.arrays == "auto" and comm.memory == "cuda"):
             import cupy as xp
 
             sync = xp.cuda.get_current_stream().synchronize
         if rank == 0:
             print(f"# gpucoll {gpucoll.__version__} all_reduce, backend {comm.backend}, "
-                  f"{n} ranks, dtype {dtype.name}")
+                  f"{n} ranks, dtype {dtype.name}, {xp.__name__} arrays")
             print(f"# {'size (B)':>12} {'count':>11} {'time (us)':>11} {'algbw GB/s':>11} "
                   f"{'busbw GB/s':>11} {'#wrong':>7}")
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 
 import gpucoll
+from gpucoll import config
 from gpucoll.ddp import (Bucketer, DistributedSampler, DynamicLossScaler, ShardedOptimizer,
                          all_reduce_metrics, broadcast_parameters, make_optimizer)
 from gpucoll.errors import CommAbortedError, CommTimeoutError, PeerError
@@ -119,13 +120,16 @@ def epoch_line(epoch: int, totals, test_accuracy: float, start: float) -> str:
 
 def add_common_arguments(parser, hidden: int = 128) -> None:
     """The options every training example shares: epochs, global batch size, learning rate,
-    hidden width, seed, and ``--cpu``."""
+    hidden width, seed, ``--cpu`` and ``--data``."""
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--hidden", type=int, default=hidden)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="use NumPy even when CuPy works")
+    parser.add_argument("--data", metavar="FILE.npz",
+                        help="the digits as an .npz with x (n, 64) and y (n,) instead of "
+                             "scikit-learn's copy")
 
 
 def _array_module(force_cpu: bool):
@@ -140,15 +144,24 @@ def _array_module(force_cpu: bool):
     return np
 
 
-def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
-    """Standardized digits features, split into train and test sets (same on every rank)."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:
-        raise SystemExit("this example needs scikit-learn: pip install 'gpucoll[examples]'") from exc
-    data = load_digits()
-    x = data.data.astype(np.float32) / 16.0
-    y = data.target.astype(np.int64)
+def load_digits_split(seed: int = 0, test_fraction: float = 0.2, data: Optional[str] = None):
+    """Standardized digits features, split into train and test sets (same on every rank).
+
+    ``data``: an ``.npz`` with ``x`` (n, 64) and ``y`` (n,), e.g. scikit-learn's ``load_digits``
+    saved where it is installed, for hosts without scikit-learn.
+    """
+    if data:
+        x, y = _digits_from_file(data)
+    else:
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError as exc:
+            raise SystemExit("this example needs scikit-learn (pip install 'gpucoll[examples]') "
+                             "or --data FILE.npz") from exc
+        digits = load_digits()
+        x, y = digits.data, digits.target
+    x = np.asarray(x, np.float32) / 16.0
+    y = np.asarray(y).astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(x))
     n_test = int(len(x) * test_fraction)
     test, train = order[:n_test], order[n_test:]
@@ -157,10 +170,29 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
     return x[train], y[train], x[test], y[test]
 
 
-def _init(force_cpu: bool):
-    """The launcher's communicator, or a one-rank one when started without a launcher."""
+def _digits_from_file(path: str):
+    """``x`` and ``y`` of an .npz, checked: 64 features per row, one label per row, 0-9."""
     try:
-        return gpucoll.init(backend="cpu" if force_cpu else None)
+        with np.load(path) as saved:
+            x, y = saved["x"], saved["y"]
+    except (OSError, KeyError, ValueError) as exc:
+        raise SystemExit(f"--data {path}: not an .npz with arrays x and y ({exc})") from exc
+    if x.ndim != 2 or x.shape[1] != 64 or y.shape != (x.shape[0],) or x.shape[0] < 10:
+        raise SystemExit(f"--data {path}: x must be (n, 64) and y (n,) with n >= 10; got x "
+                         f"{x.shape}, y {y.shape}")
+    if y.min() < 0 or y.max() > 9:
+        raise SystemExit(f"--data {path}: labels must be 0-9, got {y.min()}..{y.max()}")
+    return x, y
+
+
+def _init(force_cpu: bool):
+    """The launcher's communicator, or a one-rank one when started without a launcher.
+
+    NumPy arrays (``force_cpu``) take the CPU backend unless GPUCOLL_BACKEND names one: a
+    backend asked for by name that cannot run here is an error, not a quiet fallback."""
+    named = config.get("GPUCOLL_BACKEND").lower() != "auto"
+    try:
+        return gpucoll.init(backend="cpu" if force_cpu and not named else None)
     except ValueError:  # no rank / world size in the environment: a single process
         import tempfile
 
@@ -259,7 +291,7 @@ def main(argv=None) -> int:
                      "--zero (sharded state), --optimizer adam or --loss-scaling")
 
     xp = _array_module(args.cpu)
-    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed, data=args.data)
     comm = _init(xp is np)
     shard = None
     try:

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         parser.error(f"--microbatches must be >= 1, got {args.microbatches}")
 
     xp = _array_module(args.cpu)
-    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed, data=args.data)
     with _init(xp is np) as comm:
         if args.dp < 1 or comm.size % args.dp:
             raise SystemExit(f"--dp {args.dp} must divide the {comm.size} ranks")

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     xp = _array_module(args.cpu)
-    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed, data=args.data)
     staleness = 0 if args.mode == "sync" else args.staleness
     with _init(xp is np) as comm:
         if not 1 <= args.servers < comm.size:

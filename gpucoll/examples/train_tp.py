@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     xp = _array_module(args.cpu)
-    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed, data=args.data)
     with _init(xp is np) as comm:
         if args.tp < 1 or comm.size % args.tp:
             raise SystemExit(f"--tp {args.tp} must divide the {comm.size} ranks")

@@ -42,7 +42,7 @@ from .options import (ALL_DTYPES, ALL_OPS, AVERAGES, BenchOptions, UsageError,  
 from .plot import make_figure, plot_title, require_matplotlib, size_label, write_plot  # noqa: F401
 from .ranks import measure, run_bench  # noqa: F401
 from .reference import count_wrong, expected_reduction, pattern  # noqa: F401
-from .report import (Reporter, finish, human_bytes, ratio_summary, row_cells,  # noqa: F401
+from .report import (Reporter, finish, from_document, human_bytes, ratio_summary, row_cells,  # noqa: F401
                      summarize, table_header, write_csv)
 from .specs import (COLLECTIVES, AllGather, AllReduce, AllToAll, Broadcast, Buffers,  # noqa: F401
                     Collective, Reduce, ReduceScatter, SendRecv)

@@ -302,3 +302,31 @@ def finish(reporter: Reporter, json_path: Optional[str], csv_path: Optional[str]
     if plot_path:
         write_plot(plot_path, reporter.rows, reporter.opts.compare, reporter.info)
     return 0 if reporter.wrong == 0 else 1
+
+
+def from_document(json_path: str, csv_path: Optional[str], plot_path: Optional[str]) -> int:
+    """``--from-json``: write ``--csv`` / ``--plot`` from a saved ``--json`` document, measuring
+    nothing (plot a run from a machine without matplotlib, such as a GPU node, elsewhere)."""
+    import json
+
+    if not (csv_path or plot_path):
+        raise UsageError("--from-json needs --plot FILE.png or --csv FILE (what to write)")
+    try:
+        with open(json_path) as handle:
+            doc = json.load(handle)
+        rows = doc["rows"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and "collective" in r
+                                                 for r in rows):
+            raise ValueError("its rows are not gpucoll bench rows")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--from-json {json_path}: not a gpucoll bench --json document "
+                         f"({type(exc).__name__}: {exc})") from exc
+    machine = doc.get("machine") or {}
+    labels = [None if label == "default" else label for label in machine.get("transports") or {}]
+    info = {"nranks": doc.get("nranks"), "backend": doc.get("backend"),
+            "labels": labels or [None], "machine": machine}
+    if csv_path:
+        write_csv(csv_path, rows)
+    if plot_path:
+        write_plot(plot_path, rows, doc.get("compare"), info)
+    return 0

@@ -1,0 +1,266 @@
+"""Every GPU check of gpucoll in one go, each step under a hard time limit, logs kept.
+
+The GPU half of gpucoll (the NCCL backend, the bucketing kernels, ``gpucoll topo``'s GPU
+figures, the GPU benchmarks) can only be judged on a machine with a GPU, and such time is
+often short. This script runs the whole list in a few calls, never hangs, and leaves one log
+per step plus ``summary.md`` / ``summary.json`` in ``--out``, so a cut-short run says exactly
+what ran, what failed (with the tail of its output) and what is left.
+
+Phases (``--phase``, comma-separated; default all, in this order):
+
+- ``env``: ``nvidia-smi``, the versions (Python, NumPy, CuPy, CUDA runtime and driver, NCCL,
+  torch, mpi4py, ml_dtypes) and ``gpucoll doctor``.
+- ``tests``: ``pytest tests -m gpu -x``; only when that fails, again without ``-x`` to list
+  every failure.
+- ``ranks``: two ranks on the one GPU, through NCCL (``NCCL_MULTI_RANK_GPU_ENABLE=1``,
+  ``NCCL_MAX_CTAS`` capped) and through the CPU backend with CuPy arrays (staged through host
+  memory): the all-reduce example and the digits training example.
+- ``bench``: ``bench_nccl.py`` (gpucoll against direct ``cupy.cuda.nccl`` calls, 1 rank and 2
+  ranks), ``bench_bucket.py`` (fused pack / unpack against a device-to-device copy and a
+  per-array loop) and ``gpucoll topo``.
+- ``sweep``: ``gpucoll bench all_reduce -g 1 -b 8 -e 1G -f 4`` and ``-g 2``, as JSON (plot it
+  anywhere with ``gpucoll bench --from-json FILE --plot FILE.png``).
+
+``--budget SECONDS`` stops starting steps that would not fit (a step is started only when its
+limit fits in what is left), so a caller with a hard wall-clock limit still gets its summary.
+Without a GPU it says so and exits 3 (``--list`` shows the steps anywhere; ``--force`` runs them
+anyway, to try their command lines).
+
+    python bench/gpu_checks.py --out logs --phase env,tests --budget 560
+    python bench/gpu_checks.py --list
+
+Exit status: 0 every step run passed, 1 some failed or timed out, 2 usage, 3 no GPU here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+PHASES = ("env", "tests", "ranks", "bench", "sweep")
+TWO_RANKS_ON_ONE_GPU = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "4",
+                        "GPUCOLL_TIMEOUT": "120"}
+KILL_GRACE = 5.0  # seconds between SIGTERM and SIGKILL of a step that ran out of time
+
+VERSIONS = r"""
+import platform, numpy
+print("python", platform.python_version(), "numpy", numpy.__version__)
+import cupy
+from cupy.cuda import runtime
+print("cupy", cupy.__version__, "cuda runtime", runtime.runtimeGetVersion(),
+      "driver", runtime.driverGetVersion(), "devices", runtime.getDeviceCount())
+for i in range(runtime.getDeviceCount()):
+    p = runtime.getDeviceProperties(i)
+    print("device", i, p["name"].decode() if isinstance(p["name"], bytes) else p["name"],
+          "cc", f"{p['major']}.{p['minor']}", "memory", p["totalGlobalMem"])
+from cupy.cuda import nccl
+print("nccl", nccl.get_version())
+for name in ("torch", "mpi4py", "ml_dtypes", "sklearn", "matplotlib", "pytest_timeout"):
+    try:
+        module = __import__(name)
+        print(name, getattr(module, "__version__", "?"))
+    except Exception as exc:
+        print(name, "missing:", type(exc).__name__, exc)
+"""
+
+
+@dataclass
+class Step:
+    """One command of a phase, with its wall-clock limit and extra environment."""
+
+    phase: str
+    name: str
+    limit_s: float
+    argv: List[str]
+    env: Dict[str, str] = field(default_factory=dict)
+    only_if_failed: Optional[str] = None  # run only when the named step failed
+
+    def line(self) -> str:
+        """The command as one line (a multi-line ``-c`` script shows as its line count)."""
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        words = [f"'<{word.count(chr(10))}-line script>'" if "\n" in word else word
+                 for word in self.argv]
+        return f"{env + ' ' if env else ''}{' '.join(words)}"
+
+
+def _gpucoll(*args: str) -> List[str]:
+    return [PY, "-m", "gpucoll", *args]
+
+
+def plan(out: str, digits: Optional[str] = None) -> List[Step]:
+    """The steps, in order. ``digits``: an .npz of the digits data for hosts without scikit-learn."""
+    j = lambda name: os.path.join(out, name)  # noqa: E731
+    digits_args = ["--data", digits] if digits else []
+    # -v names each test as it starts, and faulthandler_timeout dumps the stacks of a test that
+    # runs long, so a step killed at its limit still says where it hung
+    pytest = [PY, "-m", "pytest", "tests", "-m", "gpu", "-v", "-rfEs", "-p", "no:cacheprovider",
+              "-o", "faulthandler_timeout=120"]
+    return [
+        Step("env", "nvidia-smi", 30, ["nvidia-smi"]),
+        Step("env", "nvidia-smi-topo", 30, ["nvidia-smi", "topo", "-m"]),
+        Step("env", "versions", 60, [PY, "-c", VERSIONS]),
+        Step("env", "doctor", 60, _gpucoll("doctor")),
+        Step("tests", "gpu-tests-x", 300, pytest + ["-x", f"--junitxml={j('gpu-tests-x.xml')}"]),
+        Step("tests", "gpu-tests-all", 420, pytest + [f"--junitxml={j('gpu-tests-all.xml')}"],
+             only_if_failed="gpu-tests-x"),
+        Step("ranks", "allreduce-nccl-2-ranks", 120,
+             _gpucoll("run", "-n", "2", "-m", "gpucoll.examples.allreduce", "--max-bytes", "256MiB"),
+             {**TWO_RANKS_ON_ONE_GPU, "GPUCOLL_BACKEND": "nccl"}),
+        Step("ranks", "allreduce-cpu-staging-2-ranks", 120,
+             _gpucoll("run", "-n", "2", "-m", "gpucoll.examples.allreduce", "--max-bytes", "64MiB",
+                      "--arrays", "cupy"), {"GPUCOLL_BACKEND": "cpu"}),
+        Step("ranks", "train-digits-nccl-2-ranks", 150,
+             _gpucoll("run", "-n", "2", "-m", "gpucoll.examples.train_digits", "--epochs", "3",
+                      *digits_args), {**TWO_RANKS_ON_ONE_GPU, "GPUCOLL_BACKEND": "nccl"}),
+        Step("ranks", "train-digits-cpu-staging-2-ranks", 150,
+             _gpucoll("run", "-n", "2", "-m", "gpucoll.examples.train_digits", "--epochs", "3",
+                      *digits_args), {"GPUCOLL_BACKEND": "cpu"}),
+        Step("bench", "bench-nccl-1-rank", 150,
+             [PY, "bench/bench_nccl.py", "--json", j("nccl_overhead_1rank.json")]),
+        Step("bench", "bench-nccl-2-ranks", 200,
+             _gpucoll("run", "-n", "2", "bench/bench_nccl.py", "--json", j("nccl_overhead_2ranks.json")),
+             TWO_RANKS_ON_ONE_GPU),
+        Step("bench", "bench-bucket", 120,
+             [PY, "bench/bench_bucket.py", "--skip-cpu", "--skip-e2e", "--json", j("bucket.json")]),
+        Step("bench", "topo", 90, _gpucoll("topo", "--json", j("topo.json"))),
+        Step("sweep", "bench-all-reduce-g1", 200,
+             _gpucoll("bench", "all_reduce", "-g", "1", "-b", "8", "-e", "1G", "-f", "4",
+                      "--backend", "nccl", "--json", j("all_reduce_g1.json"))),
+        Step("sweep", "bench-all-reduce-g2", 300,
+             _gpucoll("bench", "all_reduce", "-g", "2", "-b", "8", "-e", "1G", "-f", "4",
+                      "--backend", "nccl", "--json", j("all_reduce_g2.json")),
+             TWO_RANKS_ON_ONE_GPU),
+    ]
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as handle:
+            return "".join(handle.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_step(step: Step, log_path: str) -> Dict[str, object]:
+    """Run one step in its own session; on time-out stop its whole process group."""
+    env = dict(os.environ, **step.env)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(f"$ {step.line()}\n")
+        log.flush()
+        try:
+            proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            log.write(f"could not start: {exc}\n")
+            return {"status": "error", "rc": None, "seconds": 0.0}
+        status = "passed"
+        try:
+            rc = proc.wait(timeout=step.limit_s)
+        except subprocess.TimeoutExpired:
+            status = "timed out"
+            for signum, wait in ((signal.SIGTERM, KILL_GRACE), (signal.SIGKILL, 30.0)):
+                try:
+                    os.killpg(proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            rc = proc.returncode
+        if status == "passed" and rc != 0:
+            status = "failed"
+    return {"status": status, "rc": rc, "seconds": round(time.monotonic() - start, 1)}
+
+
+def write_summary(out: str, results: List[Dict[str, object]], started: float) -> None:
+    with open(os.path.join(out, "summary.json"), "w") as handle:
+        json.dump({"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
+                   "steps": results}, handle, indent=1)
+    lines = ["| phase | step | status | rc | seconds | limit s |", "|---|---|---|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['phase']} | {r['name']} | {r['status']} | "
+                     f"{'' if r['rc'] is None else r['rc']} | {r['seconds']} | {r['limit_s']} |")
+    for r in results:
+        if r["status"] in ("failed", "timed out", "error"):
+            lines += ["", f"## {r['name']}: {r['status']}", "```", f"$ {r['command']}",
+                      _tail(os.path.join(out, r["log"])).rstrip(), "```"]
+    with open(os.path.join(out, "summary.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
+def run(steps: Sequence[Step], out: str, budget: Optional[float], echo=print) -> int:
+    """Run ``steps`` in order; write the summary after each. Returns the exit status."""
+    os.makedirs(out, exist_ok=True)
+    started = time.time()
+    deadline = None if budget is None else time.monotonic() + budget
+    results: List[Dict[str, object]] = []
+    outcome: Dict[str, str] = {}
+    for index, step in enumerate(steps):
+        record = {"phase": step.phase, "name": step.name, "command": step.line(),
+                  "limit_s": step.limit_s, "log": f"{index:02d}-{step.name}.log", "rc": None,
+                  "seconds": 0.0}
+        if step.only_if_failed and outcome.get(step.only_if_failed) == "passed":
+            record["status"] = f"not needed ({step.only_if_failed} passed)"
+        elif deadline is not None and time.monotonic() + step.limit_s > deadline:
+            record["status"] = "not run (budget)"
+        else:
+            echo(f"[{step.phase}] {step.name} (limit {step.limit_s:g} s) ...", flush=True)
+            record.update(run_step(step, os.path.join(out, record["log"])))
+        outcome[step.name] = str(record["status"])
+        echo(f"[{step.phase}] {step.name}: {record['status']} ({record['seconds']} s)", flush=True)
+        results.append(record)
+        write_summary(out, results, started)
+    bad = [r for r in results if r["status"] in ("failed", "timed out", "error")]
+    return 1 if bad else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-checks",
+                        help="folder for the logs and summary (default: $OUT, else gpu-checks)")
+    parser.add_argument("--phase", default=",".join(PHASES),
+                        help=f"comma-separated phases out of {', '.join(PHASES)} (default: all)")
+    parser.add_argument("--budget", type=float, help="seconds; start no step that would not fit")
+    parser.add_argument("--digits", help="the digits data as .npz (x, y) where scikit-learn is missing")
+    parser.add_argument("--list", action="store_true", help="print the steps and exit")
+    parser.add_argument("--force", action="store_true",
+                        help="run even without a GPU (to try the steps' command lines)")
+    args = parser.parse_args(argv)
+    phases = [p.strip() for p in args.phase.split(",") if p.strip()]
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown or not phases:
+        parser.error(f"unknown phase(s) {unknown or args.phase!r}; choose from {', '.join(PHASES)}")
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget must be positive, got {args.budget:g}")
+    out = os.path.abspath(args.out)
+    steps = [s for s in plan(out, args.digits) if s.phase in phases]
+    if args.list:
+        for step in steps:
+            extra = f"  (only if {step.only_if_failed} failed)" if step.only_if_failed else ""
+            print(f"[{step.phase}] {step.name}, limit {step.limit_s:g} s: {step.line()}{extra}")
+        return 0
+    sys.path.insert(0, ROOT)
+    from gpucoll.cuda_env import gpu_unavailable_reason
+
+    reason = gpu_unavailable_reason()
+    if reason and not args.force:
+        print(f"gpu_checks: no GPU here ({reason}); nothing run", file=sys.stderr)
+        return 3
+    return run(steps, out, args.budget)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

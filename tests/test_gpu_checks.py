@@ -1,0 +1,121 @@
+"""``bench/gpu_checks.py``, the one-go runner of the GPU checks: its step list is valid, and its
+machinery (hard limits that stop a step's whole process group, the time budget, re-runs only
+after a failure, the summary) works. Real processes; no GPU needed."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "gpu_checks.py")
+PY = sys.executable
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_checks", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_checks"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cli(*args, timeout=60):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([PY, SCRIPT, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as handle:  # a zombie is gone for our purpose
+        return handle.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_every_step_names_a_script_or_module_that_exists(tmp_path):
+    checks = _load()
+    steps = checks.plan(str(tmp_path), digits="digits.npz")
+    assert [s.phase for s in steps] == sorted((s.phase for s in steps), key=checks.PHASES.index)
+    assert set(checks.PHASES) == {s.phase for s in steps}
+    for step in steps:
+        for i, word in enumerate(step.argv):
+            if word.endswith(".py") and not os.path.isabs(word):
+                assert os.path.exists(os.path.join(ROOT, word)), f"{step.name}: {word}"
+            if word == "-m" and step.argv[i + 1:i + 2] and step.argv[i + 1].startswith("gpucoll."):
+                assert importlib.util.find_spec(step.argv[i + 1]), f"{step.name}: {step.argv[i + 1]}"
+        assert all(str(tmp_path) in w for w in step.argv if w.endswith((".json", ".xml")))
+    training = [s for s in steps if "gpucoll.examples.train_digits" in s.argv]
+    assert training and all(s.argv[-2:] == ["--data", "digits.npz"] for s in training)
+    proc = _cli("--list", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) == len(steps)
+    assert "-m gpu" in proc.stdout and "NCCL_MULTI_RANK_GPU_ENABLE=1" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [(["--phase", "tests,nope"], "unknown phase"),
+                                           (["--budget", "0"], "--budget must be positive")])
+def test_usage_errors_exit_2(args, message):
+    proc = _cli(*args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
+    sys.path.insert(0, ROOT)
+    from gpucoll.cuda_env import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is usable here")
+    proc = _cli("--out", str(tmp_path / "logs"))
+    assert proc.returncode == 3 and "no GPU here" in proc.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def test_runner_limits_budgets_reruns_and_summarizes(tmp_path):
+    checks = _load()
+    child_pid = tmp_path / "child.pid"
+    hang = ("import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+            f"open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    Step = checks.Step
+    steps = [
+        Step("a", "ok", 20, [PY, "-c", "print('hello from ok')"]),
+        Step("a", "rerun-not-needed", 20, [PY, "-c", "pass"], only_if_failed="ok"),
+        Step("a", "fails", 20, [PY, "-c", "import sys; print('it broke'); sys.exit(4)"]),
+        Step("a", "rerun", 20, [PY, "-c", "print('second try')"], only_if_failed="fails"),
+        Step("b", "hangs", 2, [PY, "-c", hang]),
+        Step("b", "too-long", 10_000, [PY, "-c", "pass"]),
+        Step("b", "env", 20, [PY, "-c", "import os; print(os.environ['GPU_CHECKS_PROBE'])"],
+             {"GPU_CHECKS_PROBE": "seen"}),
+    ]
+    lines = []
+    start = time.monotonic()
+    status = checks.run(steps, str(tmp_path / "out"), budget=120,
+                        echo=lambda text, flush=True: lines.append(text))
+    assert time.monotonic() - start < 60
+    assert status == 1
+    doc = json.loads((tmp_path / "out" / "summary.json").read_text())
+    got = {r["name"]: (r["status"], r["rc"]) for r in doc["steps"]}
+    assert got == {"ok": ("passed", 0), "rerun-not-needed": ("not needed (ok passed)", None),
+                   "fails": ("failed", 4), "rerun": ("passed", 0),
+                   "hangs": ("timed out", -15), "too-long": ("not run (budget)", None),
+                   "env": ("passed", 0)}
+    pid = int(child_pid.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the timed-out step's own child was left running"
+    logs = {r["name"]: (tmp_path / "out" / r["log"]) for r in doc["steps"]}
+    assert "hello from ok" in logs["ok"].read_text()
+    assert logs["env"].read_text().splitlines()[-1] == "seen"
+    assert not logs["too-long"].exists()
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| a | fails | failed | 4 |" in summary
+    assert "## fails: failed" in summary and "it broke" in summary
+    assert "## hangs: timed out" in summary and "## ok" not in summary
+    assert any("hangs: timed out" in line for line in lines)
