@@ -1,0 +1,128 @@
+"""Uneven all-to-all (``all_to_all_v``), built on the public collectives like the uneven gathers.
+
+Every rank sends its own number of rows to each rank (MPI's ``Alltoallv``, torch's
+``all_to_all_single`` with split sizes): the exchange at the heart of expert parallelism, where
+each rank routes each token to the rank holding its expert. One small ``all_gather`` first gives
+every rank the whole count matrix (and checks that dtypes and trailing shapes agree); then the
+rows, padded per destination to the largest count anywhere, go in one ``all_to_all`` and are
+compacted. Padding moves ``size * max`` rows per rank instead of the exact rows, which is what
+capacity-bounded routing (a fixed number of tokens per expert) sends anyway, and it keeps one
+collective that every backend has, NCCL included.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, List, Sequence, Tuple
+
+import numpy as np
+
+from .composite import _describe
+from .types import wire_code
+
+__all__ = ["UnevenAllToAll"]
+
+_LISTED_DIMS = 8  # trailing dimensions written out in the layout exchange
+
+
+def _to_host(array: Any) -> np.ndarray:
+    return array if isinstance(array, np.ndarray) else array.get()
+
+
+class UnevenAllToAll:
+    """Mixin of :class:`gpucoll.Communicator`: :meth:`all_to_all_v`. Uses the helpers of
+    :class:`gpucoll.composite.CompositeCollectives` (``_empty_as``, ``_from_host``,
+    ``_concatenate``)."""
+
+    rank: int
+    size: int
+
+    def all_to_all_v(self, x: Any, send_counts: Sequence[int]) -> Tuple[Any, List[int]]:
+        """Send ``send_counts[r]`` rows of ``x`` to rank r; receive every rank's rows for this one.
+
+        Args:
+            x: shape ``(sum(send_counts), *rest)``: the rows for rank 0 first, then those for
+                rank 1, and so on. ``rest`` and the dtype must be the same on every rank.
+            send_counts: rows for each rank (``size`` ints, each >= 0; zeros allowed).
+
+        Returns:
+            ``(result, recv_counts)``: ``result`` has shape ``(sum(recv_counts), *rest)``,
+            rank 0's rows first, in the memory (and array type) of ``x``; ``recv_counts[s]``
+            is the number of rows rank ``s`` sent here.
+
+        Raises:
+            TypeError, ValueError: ``send_counts`` is not ``size`` non-negative ints summing to
+                ``x.shape[0]`` (before anything is sent); ranks' dtypes or trailing shapes
+                differ (on every rank alike, after the count exchange; the communicator stays
+                usable).
+
+        Example (two ranks)::
+
+            x = np.arange(3.0) + 10 * comm.rank     # rank 0: [0, 1, 2]; rank 1: [10, 11, 12]
+            out, got = comm.all_to_all_v(x, [1, 2] if comm.rank == 0 else [2, 1])
+            # rank 0: [0., 10., 11.], [1, 2];  rank 1: [1., 2., 12.], [2, 1]
+        """
+        x_in = x
+        view = self._array(x, "x")
+        shape = tuple(int(d) for d in view.shape)
+        if not shape:
+            raise ValueError("all_to_all_v: x must have at least one dimension (rows are "
+                             "counted along the first axis), got a 0-d array")
+        send = self._check_send_counts(send_counts, shape[0])
+        matrix = self._count_matrix(view, shape, send)
+        recv = [int(c) for c in matrix[:, self.rank]]
+        longest = int(matrix.max())
+        if longest == 0:
+            result = self._empty_as(view, (0,) + shape[1:], view.dtype)
+        else:
+            blocks = self.all_to_all(self._blocks(view, send, longest))
+            result = self._concatenate(view, blocks[:, :max(recv)], recv)
+        return self._hand_back(result, view, x_in), recv
+
+    def _check_send_counts(self, counts: Any, rows: int) -> List[int]:
+        if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
+            raise TypeError(f"all_to_all_v: send_counts must be a sequence of {self.size} ints, "
+                            f"got {type(counts).__name__}")
+        if len(counts) != self.size:
+            raise ValueError(f"all_to_all_v: send_counts has {len(counts)} entries, expected one "
+                             f"per rank ({self.size}): {list(counts)}")
+        checked = []
+        for index, count in enumerate(counts):
+            if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)):
+                raise TypeError(f"all_to_all_v: send_counts[{index}] must be an int, got {count!r}")
+            if count < 0:
+                raise ValueError(f"all_to_all_v: send_counts[{index}]={count} is negative")
+            checked.append(int(count))
+        if sum(checked) != rows:
+            raise ValueError(f"all_to_all_v: send_counts sum to {sum(checked)} but x has {rows} "
+                             f"rows (x.shape[0])")
+        return checked
+
+    def _count_matrix(self, view: Any, shape: Tuple[int, ...], send: List[int]) -> np.ndarray:
+        """``matrix[s, d]``: rows rank s sends to rank d (one all_gather), layouts checked."""
+        trailing = shape[1:]
+        listed = list(trailing[:_LISTED_DIMS]) + [0] * max(0, _LISTED_DIMS - len(trailing))
+        signature = [wire_code(view.dtype), len(shape), zlib.crc32(repr(trailing).encode())]
+        mine = np.array(send + signature + listed, dtype=np.int64)
+        table = _to_host(self.all_gather(self._from_host(mine)))
+        n = self.size
+        if len({tuple(int(v) for v in row[n:]) for row in table}) > 1:
+            parts = [f"rank {r}: {_describe(int(row[n]), int(row[n + 1]), [int(v) for v in row[n + 3:]])}"
+                     for r, row in enumerate(table)]
+            raise ValueError(f"all_to_all_v: ranks disagree on dtype or trailing shape "
+                             f"({'; '.join(parts)}); only the row counts may differ")
+        return table[:, :n]
+
+    def _blocks(self, view: Any, send: List[int], longest: int) -> Any:
+        """``(size, longest, *rest)``: the rows for each rank, padded (``view`` reshaped when
+        every count is already ``longest``)."""
+        rest = tuple(view.shape[1:])
+        if all(count == longest for count in send):
+            return view.reshape((self.size, longest) + rest)
+        blocks = self._empty_as(view, (self.size, longest) + rest, view.dtype)
+        start = 0
+        for rank, count in enumerate(send):
+            if count:
+                blocks[rank, :count] = view[start:start + count]
+            start += count
+        return blocks

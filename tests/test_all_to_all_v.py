@@ -1,0 +1,171 @@
+"""Uneven all-to-all (``all_to_all_v``) of the CPU backend against NumPy, in real processes.
+
+World sizes 1 to 4; count matrices all zero, uniform, random with zeros, and one large block;
+trailing shapes (), (3,) and (2, 3); several dtype families; the input left as it was; and every
+bad input, which raises before anything is sent (or, for ranks that disagree on dtype or
+trailing shape, on every rank alike) and leaves the communicator usable. CuPy arrays (staged
+through the host) when a GPU is there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mp_harness import RankPool, rank_pools
+from reference import make_input
+
+pytestmark = pytest.mark.timeout(180)
+
+TRAILING = [(), (3,), (2, 3)]
+DTYPES = ["float32", "int64", "bool", "complex128", "uint8", "float16"]
+
+
+def count_matrix(pattern, n, seed):
+    """``matrix[s, d]``: rows rank s sends to rank d (the same on every rank, from the seed)."""
+    if pattern == "zeros":
+        return np.zeros((n, n), np.int64)
+    if pattern == "uniform":
+        return np.full((n, n), 3, np.int64)
+    if pattern == "one_large":
+        matrix = np.ones((n, n), np.int64)
+        matrix[n - 1, 0] = 30_000
+        return matrix
+    return np.random.default_rng(seed).integers(0, 5, (n, n)) * \
+        np.random.default_rng(seed + 1).integers(0, 2, (n, n))  # random, many zeros
+
+
+def cases():
+    index = 0
+    for pattern in ("zeros", "uniform", "random", "one_large"):
+        for trailing in TRAILING:
+            if pattern == "one_large" and trailing:
+                continue
+            yield f"{pattern}/{trailing}/{DTYPES[index % len(DTYPES)]}", pattern, trailing, \
+                DTYPES[index % len(DTYPES)]
+            index += 1
+
+
+def rows_of(rank, matrix, trailing, dtype, seed):
+    return make_input(seed, rank, (int(matrix[rank].sum()),) + trailing, dtype)
+
+
+def expected(rank, matrix, trailing, dtype, seed):
+    """What ``rank`` receives: from each sender s, the block of s's rows addressed to it."""
+    parts = []
+    for sender in range(len(matrix)):
+        rows = rows_of(sender, matrix, trailing, dtype, seed)
+        start = int(matrix[sender, :rank].sum())
+        parts.append(rows[start:start + int(matrix[sender, rank])])
+    return np.concatenate(parts), [int(c) for c in matrix[:, rank]]
+
+
+pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}")
+
+
+def rank_exchanges(comm, all_cases):
+    out = {}
+    for seed, (case_id, pattern, trailing, dtype) in enumerate(all_cases):
+        matrix = count_matrix(pattern, comm.size, seed)
+        x = rows_of(comm.rank, matrix, trailing, dtype, seed)
+        keep = x.copy()
+        result, recv = comm.all_to_all_v(x, list(matrix[comm.rank]))
+        np.testing.assert_array_equal(x, keep)  # the input is never touched
+        out[case_id] = (result, recv)
+    return out
+
+
+def test_all_to_all_v_matches_numpy(pool):
+    all_cases = list(cases())
+    results = pool.run(rank_exchanges, all_cases)
+    for rank, got in enumerate(results):
+        for seed, (case_id, pattern, trailing, dtype) in enumerate(all_cases):
+            matrix = count_matrix(pattern, pool.world_size, seed)
+            want, want_counts = expected(rank, matrix, trailing, dtype, seed)
+            result, recv = got[case_id]
+            assert recv == want_counts and all(type(c) is int for c in recv), case_id
+            assert result.dtype == want.dtype and result.shape == want.shape, case_id
+            np.testing.assert_array_equal(result, want, err_msg=f"rank {rank} {case_id}")
+
+
+def _error(call):
+    try:
+        call()
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def rank_bad_exchanges(comm):
+    n, r = comm.size, comm.rank
+    x = np.ones((2 * n, 3), np.float32)
+    negative = [2] * n
+    negative[(r + 1) % n] = -1
+    local = [
+        _error(lambda: comm.all_to_all_v(np.array(1.0), [0] * n)),
+        _error(lambda: comm.all_to_all_v(x, [2] * (n + 1))),
+        _error(lambda: comm.all_to_all_v(x, negative)),
+        _error(lambda: comm.all_to_all_v(x, [3] * n)),
+        _error(lambda: comm.all_to_all_v(x, [2.0] * n)),
+        _error(lambda: comm.all_to_all_v(x, [True] * n)),
+        _error(lambda: comm.all_to_all_v(x, 2)),
+        _error(lambda: comm.all_to_all_v(np.array([["a"]] * n), [1] * n)),
+    ]
+    # ranks that disagree: every rank raises the same error, nothing is left on the wire
+    dtype_error = _error(lambda: comm.all_to_all_v(np.zeros(n, np.float64 if r else np.float32),
+                                                   [1] * n))
+    shape_error = _error(lambda: comm.all_to_all_v(np.zeros((n, 2 + (r == n - 1) * (n > 1))),
+                                                   [1] * n))
+    after = comm.all_to_all_v(np.arange(n, dtype=np.int16) + 10 * r, [1] * n)
+    return local, dtype_error, shape_error, after
+
+
+def test_all_to_all_v_usage_errors(pool):
+    n = pool.world_size
+    for rank, (local, dtype_error, shape_error, after) in enumerate(pool.run(rank_bad_exchanges)):
+        assert local[0] == ("ValueError: all_to_all_v: x must have at least one dimension (rows "
+                            "are counted along the first axis), got a 0-d array")
+        assert local[1] == (f"ValueError: all_to_all_v: send_counts has {n + 1} entries, "
+                            f"expected one per rank ({n}): {[2] * (n + 1)}")
+        assert local[2] == f"ValueError: all_to_all_v: send_counts[{(rank + 1) % n}]=-1 is negative"
+        assert local[3] == (f"ValueError: all_to_all_v: send_counts sum to {3 * n} but x has "
+                            f"{2 * n} rows (x.shape[0])")
+        assert local[4] == "TypeError: all_to_all_v: send_counts[0] must be an int, got 2.0"
+        assert local[5] == "TypeError: all_to_all_v: send_counts[0] must be an int, got True"
+        assert local[6] == (f"TypeError: all_to_all_v: send_counts must be a sequence of {n} "
+                            f"ints, got int")
+        assert local[7].startswith("TypeError: dtype str32 is not supported"), local[7]
+        if n > 1:
+            assert dtype_error.startswith("ValueError: all_to_all_v: ranks disagree on dtype or "
+                                          "trailing shape (rank 0: float32 (n,); rank 1: float64")
+            assert shape_error.startswith("ValueError: all_to_all_v: ranks disagree") and \
+                f"rank {n - 1}: float64 (n, 3)" in shape_error, shape_error
+        else:
+            assert dtype_error == shape_error == "no error"
+        result, recv = after
+        assert recv == [1] * n
+        np.testing.assert_array_equal(result, np.array([rank + 10 * s for s in range(n)], np.int16))
+
+
+def rank_cupy_exchange(comm):
+    import cupy
+
+    n, r = comm.size, comm.rank
+    matrix = count_matrix("random", n, 5) + 1
+    x = cupy.asarray(rows_of(r, matrix, (3,), "float32", 5))
+    result, recv = comm.all_to_all_v(x, list(matrix[r]))
+    return type(result).__module__.split(".")[0], cupy.asnumpy(result), recv
+
+
+@pytest.mark.gpu
+def test_all_to_all_v_on_cupy_arrays_through_the_cpu_backend():
+    ranks = RankPool(2)
+    try:
+        results = ranks.run(rank_cupy_exchange)
+    finally:
+        ranks.close()
+    matrix = count_matrix("random", 2, 5) + 1
+    for rank, (module, result, recv) in enumerate(results):
+        want, want_counts = expected(rank, matrix, (3,), "float32", 5)
+        assert module == "cupy" and recv == want_counts
+        np.testing.assert_array_equal(result, want)
