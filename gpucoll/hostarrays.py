@@ -5,7 +5,8 @@ The host-memory backends (``cpu``, ``mpi``) and the training helpers use this, s
 ``comm.all_reduce(torch.ones(4))`` reduces the tensor's own memory and ``all_gather`` of a
 tensor returns a tensor. bfloat16 tensors travel as int16 through DLPack (NumPy has no
 bfloat16) and are viewed as ``ml_dtypes.bfloat16``. CuPy arrays and other device arrays are
-left alone (the backends stage or take them as they are).
+left alone (the backends stage or take them as they are). :func:`array_module` names the module
+(NumPy or CuPy) an array belongs to, for the training helpers.
 
 Example::
 
@@ -20,9 +21,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["host_view", "like_caller", "is_host_dlpack"]
+__all__ = ["host_view", "like_caller", "is_host_dlpack", "array_module"]
 
 _HOST_DEVICES = (1, 3)  # DLPack kDLCPU, kDLCUDAHost (pinned host memory)
+
+
+def array_module(x: Any):
+    """CuPy for a CuPy array, else NumPy: the module the training helpers compute with (CuPy is
+    imported only when ``x`` already is one of its arrays)."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
 
 
 def is_host_dlpack(x: Any) -> bool:

@@ -20,21 +20,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from .. import kernels
-from ..hostarrays import host_view
+from ..hostarrays import array_module as _array_module, host_view
 
 __all__ = ["Bucketer", "broadcast_parameters", "plan_buckets"]
 
 MiB = 1 << 20
 _COMPRESSION = {None: None, "none": None, "bf16": "bfloat16", "bfloat16": "bfloat16",
                 "fp16": "float16", "float16": "float16"}
-
-
-def _array_module(x: Any):
-    if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
 
 
 def _zeros_beside(like: Any, length: int, dtype: Any) -> Any:

@@ -26,15 +26,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..hostarrays import array_module as _array_module
+
 __all__ = ["MoELayer", "init_experts"]
-
-
-def _array_module(x: Any):
-    if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
 
 
 def _host_ints(values: Any) -> List[int]:

@@ -22,19 +22,12 @@ import numpy as np
 from .. import kernels
 from ..ddp.optim import SGD, make_optimizer
 from ..errors import CommAbortedError, PeerError
+from ..hostarrays import array_module as _array_module
 from .layout import DONE, PULL, PUSH, TAG_GRAD, TAG_HEADER, TAG_INIT, TAG_PARAMS, PSLayout
 
 __all__ = ["ParameterServer"]
 
 CULPRIT_WAIT = 1.0  # seconds to wait for the failure that aborted the communicator to be recorded
-
-
-def _array_module(x: Any):
-    if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
 
 
 class ParameterServer:

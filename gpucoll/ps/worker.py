@@ -7,17 +7,10 @@ from typing import Any, List, Sequence
 import numpy as np
 
 from .. import kernels
+from ..hostarrays import array_module as _array_module
 from .layout import DONE, PULL, PUSH, TAG_GRAD, TAG_HEADER, TAG_INIT, TAG_PARAMS, PSLayout
 
 __all__ = ["PSWorker"]
-
-
-def _array_module(x: Any):
-    if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
 
 
 class PSWorker:

@@ -21,15 +21,9 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+from ..hostarrays import array_module as _array_module
+
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "init_linear"]
-
-
-def _array_module(x: Any):
-    if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
 
 
 def init_linear(in_features: int, out_features: int, *, seed: int = 0, xp: Any = np,
