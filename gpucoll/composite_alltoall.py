@@ -7,7 +7,9 @@ every rank the whole count matrix (and checks that dtypes and trailing shapes ag
 rows, padded per destination to the largest count anywhere, go in one ``all_to_all`` and are
 compacted. Padding moves ``size * max`` rows per rank instead of the exact rows, which is what
 capacity-bounded routing (a fixed number of tokens per expert) sends anyway, and it keeps one
-collective that every backend has, NCCL included.
+collective that every backend has, NCCL included. A backend may move the exact rows instead
+(``_exact_all_to_all_v``: the CPU backend, when all ranks share one host's memory and can read
+each other's arrays, reads its rows straight from the senders' arrays, one copy).
 """
 
 from __future__ import annotations
@@ -69,12 +71,14 @@ class UnevenAllToAll:
             raise ValueError("all_to_all_v: x must have at least one dimension (rows are "
                              "counted along the first axis), got a 0-d array")
         send = self._check_send_counts(send_counts, shape[0])
-        matrix = self._count_matrix(view, shape, send)
+        ready = getattr(self, "_exact_all_to_all_v_ready", None)
+        matrix, exact = self._count_matrix(view, shape, send, bool(ready and ready(view)))
         recv = [int(c) for c in matrix[:, self.rank]]
         longest = int(matrix.max())
-        if longest == 0:
+        result = self._exact_all_to_all_v(view, matrix) if exact and longest else None
+        if result is None and longest == 0:
             result = self._empty_as(view, (0,) + shape[1:], view.dtype)
-        else:
+        elif result is None:
             blocks = self.all_to_all(self._blocks(view, send, longest))
             result = self._concatenate(view, blocks[:, :max(recv)], recv)
         return self._hand_back(result, view, x_in), recv
@@ -98,20 +102,23 @@ class UnevenAllToAll:
                              f"rows (x.shape[0])")
         return checked
 
-    def _count_matrix(self, view: Any, shape: Tuple[int, ...], send: List[int]) -> np.ndarray:
-        """``matrix[s, d]``: rows rank s sends to rank d (one all_gather), layouts checked."""
+    def _count_matrix(self, view: Any, shape: Tuple[int, ...], send: List[int],
+                      ready: bool) -> Tuple[np.ndarray, bool]:
+        """``(matrix, exact)``: ``matrix[s, d]`` rows rank s sends to rank d (one all_gather,
+        layouts checked); ``exact``: every rank is ready for the backend's exact exchange."""
         trailing = shape[1:]
         listed = list(trailing[:_LISTED_DIMS]) + [0] * max(0, _LISTED_DIMS - len(trailing))
         signature = [wire_code(view.dtype), len(shape), zlib.crc32(repr(trailing).encode())]
-        mine = np.array(send + signature + listed, dtype=np.int64)
+        mine = np.array([int(ready)] + send + signature + listed, dtype=np.int64)
         table = _to_host(self.all_gather(self._from_host(mine)))
+        exact, table = bool(table[:, 0].all()), table[:, 1:]
         n = self.size
         if len({tuple(int(v) for v in row[n:]) for row in table}) > 1:
             parts = [f"rank {r}: {_describe(int(row[n]), int(row[n + 1]), [int(v) for v in row[n + 3:]])}"
                      for r, row in enumerate(table)]
             raise ValueError(f"all_to_all_v: ranks disagree on dtype or trailing shape "
                              f"({'; '.join(parts)}); only the row counts may differ")
-        return table[:, :n]
+        return table[:, :n], exact
 
     def _blocks(self, view: Any, send: List[int], longest: int) -> Any:
         """``(size, longest, *rest)``: the rows for each rank, padded (``view`` reshaped when

@@ -352,7 +352,22 @@ def shared_scatter(segment: SharedSegment, send: Optional[np.ndarray], out: np.n
 def shared_all_to_all(segment: SharedSegment, send: np.ndarray, out: np.ndarray, frame: Frame,
                       deadline: float) -> None:
     """All-to-all: each rank copies its L pieces in, 1 sync per step, and copies piece
-    ``me`` of every slot out: L*N in and L*N out per rank (N = one piece)."""
+    ``me`` of every slot out: L*N in and L*N out per rank (N = one piece). Single copy (L*N >=
+    SINGLE_COPY_BYTES): sync, read piece ``me`` of each peer's array straight into ``out``,
+    sync: L*N per rank, once."""
+    if segment.single_copy and send.nbytes >= SINGLE_COPY_BYTES:
+        piece, me = out.nbytes // segment.size, segment.index
+        raw, result = _raw(send), _raw(out)
+        segment.lend(send)
+        segment.sync(frame, deadline)
+        for q in range(segment.size):
+            block = result[q * piece:(q + 1) * piece]
+            if q == me:
+                np.copyto(block, raw[me * piece:(me + 1) * piece])
+            else:
+                segment.read_from(q, block, me * piece, frame)
+        segment.sync(frame, deadline)
+        return
     _exchange_pieces(segment, send, out, frame, deadline, range(segment.size), None)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import algorithms
 from ..algorithms import shared as shared_algorithms
+from ..algorithms.shared import SINGLE_COPY_BYTES
 from ..algorithms.hierarchical import (hierarchical_all_gather, hierarchical_all_reduce,
                                        hierarchical_broadcast, hierarchical_reduce_scatter)
 from ..errors import GpucollError
@@ -107,6 +108,47 @@ class SharedMemoryPath:
             self._fail(name, seq, exc, self.timeout)
         if op is ReduceOp.AVG:
             finish_avg(buffers[-1], self.size)
+
+    # ------------------------------------------------------------------ uneven all-to-all
+    def _exact_all_to_all_v_ready(self, x) -> bool:
+        """Can this rank run :meth:`_exact_all_to_all_v` with ``x``? (Every rank must say so.)"""
+        return (self._all_shared and self._shared.single_copy and type(x) is np.ndarray
+                and not self._debug)
+
+    def _exact_all_to_all_v(self, x: np.ndarray, matrix: np.ndarray) -> Optional[np.ndarray]:
+        """``all_to_all_v`` with no padding: each rank reads exactly the rows meant for it
+        straight from the senders' arrays (single copy). Called only when every rank is ready
+        (:meth:`_exact_all_to_all_v_ready`); None when the exchange is too small to gain from
+        it (the caller then pads). ``matrix[s, d]``: rows rank s sends rank d."""
+        segment = self._shared
+        row_bytes = x.itemsize * (x.size // x.shape[0] if x.shape[0] else 0)
+        total = int(matrix.sum()) * row_bytes  # the same on every rank, and so the choice
+        if total < SINGLE_COPY_BYTES * self.size:
+            return None
+        me = self.rank
+        local = {rank: index for index, rank in enumerate(segment.ranks)}
+        result = np.empty((int(matrix[:, me].sum()),) + x.shape[1:], x.dtype)
+        seq = self._next_seq()
+
+        def body(deadline: float):
+            frame = Frame("all_to_all", seq, wire_code(x.dtype))
+            segment.expect((OP_CODES["all_to_all"], frame.dtype, total, -2, 0))  # -2: the v form
+            send, out = x.reshape(-1).view(np.uint8), result.reshape(-1).view(np.uint8)
+            segment.lend(send)
+            segment.sync(frame, deadline)
+            start = 0
+            for sender in range(self.size):
+                nbytes = int(matrix[sender, me]) * row_bytes
+                offset = int(matrix[sender, :me].sum()) * row_bytes
+                if nbytes and sender == me:
+                    np.copyto(out[start:start + nbytes], send[offset:offset + nbytes])
+                elif nbytes:
+                    segment.read_from(local[sender], out[start:start + nbytes], offset, frame)
+                start += nbytes
+            segment.sync(frame, deadline)
+            return result
+
+        return self._submit("all_to_all", seq, self._order.all_channels, body, False)
 
     def _short_all_reduce(self, x: np.ndarray, op: ReduceOp, out: Optional[np.ndarray]):
         result = x if out is None else out
