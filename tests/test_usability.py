@@ -122,6 +122,9 @@ def rank_late_for_barrier(comm):
     try:
         comm.barrier(timeout=1)
     except CommTimeoutError as exc:
+        # stay up a while: a rank that timed out first and exited would close its sockets,
+        # and a rank whose clock started later (load) would see that loss, not its own timeout
+        time.sleep(3)
         return str(exc), exc.peer
     return "no timeout", None
 
