@@ -62,6 +62,7 @@ from .launch_signals import describe_exit, exit_code_of  # noqa: F401  (re-expor
 from .launch_signals import signal_group as _signal_group
 from .launch_signals import signal_name as _signal_name
 from .orphan_guard import guard_rank, launcher_variables
+from .orphan_reaper import ReaperLink
 
 __all__ = [
     "LaunchConfig",
@@ -128,6 +129,7 @@ class _Job:
         self.exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()  # (local rank, returncode)
         self.lost: List[_Rank] = []  # elastic: ranks that died while the others went on
         self.port = plan.port
+        self.reaper: Optional[ReaperLink] = None  # started by run()
 
     # -- output ---------------------------------------------------------------------------
 
@@ -223,6 +225,8 @@ class _Job:
             proc = subprocess.Popen(
                 self.plan.command, env=self._rank_env(port, local_rank), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            if self.reaper is not None:  # before the wait thread below can reap it
+                self.reaper.register(proc.pid)
             rank = _Rank(self.cfg.node_rank * self.cfg.nproc + local_rank, local_rank, proc)
             self.ranks.append(rank)
             prefix = f"[rank {rank.rank}] "
@@ -245,6 +249,8 @@ class _Job:
             return None
         rank = self.ranks[local_rank]
         rank.returncode = returncode
+        if returncode == 0 and self.reaper is not None:  # its group is left alone from now on
+            self.reaper.ended(rank.proc.pid)
         return rank
 
     def _alive(self) -> List[_Rank]:
@@ -400,6 +406,8 @@ class _Job:
             try:
                 start = time.monotonic()
                 deadline = None if self.cfg.timeout is None else start + self.cfg.timeout
+                if self.cfg.orphan_reaper:
+                    self.reaper = ReaperLink(plan.orphan_grace, self.say)
                 try:
                     self._spawn(port, trap)
                 except OSError as exc:
@@ -416,6 +424,8 @@ class _Job:
             finally:
                 if not stopped and self._alive():  # an unexpected error: never leave orphans
                     self.stop_all(trap)
+                if self.reaper is not None:
+                    self.reaper.close()
                 if server is not None:
                     server.close()
                 if plan.token:  # segments of a rank killed while setting up its communicator
