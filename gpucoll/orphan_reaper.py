@@ -9,7 +9,7 @@ only stops that process. So the launcher starts this small watcher first:
 
 - it runs as ``python -I -S orphan_reaper.py LAUNCHER_PID GRACE`` (this file by path, standard
   library only: no ``import gpucoll``, so it starts in about 15 ms and the launcher does not
-  wait for it), in a session of its own, so a signal to the launcher's process group (a
+  wait for it to start), in a session of its own, so a signal to the launcher's process group (a
   terminal's Ctrl-C, ``kill -9 -- -PGID``) does not reach it;
 - its stdin is a pipe from the launcher, which writes one line per rank it starts
   (``rank PID START``: the rank's pid, which is also its process group and session id, and its
@@ -58,8 +58,6 @@ POLL_INTERVAL = 0.02
 """Seconds between checks, during the grace, of whether the signalled groups are empty."""
 MAX_LINE = 256
 """Longest input line read at once; a longer one is cut and refused in pieces."""
-EXIT_WAIT = 1.0
-"""Seconds the launcher waits, after ``done``, for the watcher to exit before killing it."""
 PREFIX = "gpucoll run (orphan reaper)"
 
 
@@ -336,17 +334,17 @@ class ReaperLink:
         self._send(f"ended {pid}\n")
 
     def close(self) -> None:
-        """Normal end: ``done``, close the pipe, reap the watcher (killed if it lingers)."""
+        """Normal end: ``done``, close the pipe, and reap the watcher. One still starting up
+        (a job shorter than its ~15 ms start) is SIGKILLed rather than waited for: after
+        ``done`` it has nothing left to do. It is this process's unreaped child, so its pid
+        cannot be anyone else's."""
         self._send("done\n")
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(EXIT_WAIT)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()  # our own unreaped child: its pid cannot be anyone else's
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
             self.proc.wait()
 
 

@@ -7,8 +7,9 @@
 piddir="$1"
 if [ "$2" = "--ignore-term" ]; then trap '' TERM; fi
 sleep 1000 >/dev/null 2>&1 &
-echo $! > "$piddir/sleep$RANK.pid.tmp" && mv "$piddir/sleep$RANK.pid.tmp" "$piddir/sleep$RANK.pid"
-echo $$ > "$piddir/shell$RANK.pid.tmp" && mv "$piddir/shell$RANK.pid.tmp" "$piddir/shell$RANK.pid"
+rank="${RANK:-$OMPI_COMM_WORLD_RANK}"  # gpucoll run and torchrun set RANK; mpirun does not
+echo $! > "$piddir/sleep$rank.pid.tmp" && mv "$piddir/sleep$rank.pid.tmp" "$piddir/sleep$rank.pid"
+echo $$ > "$piddir/shell$rank.pid.tmp" && mv "$piddir/shell$rank.pid.tmp" "$piddir/shell$rank.pid"
 if [ "$2" = "--exit-when" ]; then
     while [ ! -e "$3" ]; do sleep 0.05; done
     exit "$4"
