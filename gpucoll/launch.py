@@ -29,8 +29,12 @@ the launcher records its death in the store (so ``comm.shrink()`` on the survivo
 wait for it), and the job succeeds when the survivors exit 0; it is stopped as above when
 fewer than ``min_ranks`` ranks remain. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
 the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124. A launcher
-killed outright (SIGKILL) cannot; its ranks then stop themselves (:mod:`gpucoll.orphan_guard`),
-and a launcher that is itself a rank of another one stops as on SIGTERM when that one dies.
+killed outright (SIGKILL) cannot. Two layers stop its ranks then: its orphan reaper
+(:mod:`gpucoll.orphan_reaper`), a watcher it starts before the ranks, in a session of its own,
+that sends every still-running rank's process group SIGTERM, then SIGKILL after
+``GPUCOLL_ORPHAN_GRACE`` (ranks that never call ``gc.init()`` and every process a rank started
+included); and, in ranks that call ``gc.init()``, the in-rank guard (:mod:`gpucoll.orphan_guard`),
+by which a launcher that is itself a rank of another one stops as on SIGTERM when that one dies.
 
 Example::
 
@@ -218,7 +222,8 @@ class _Job:
     def _spawn(self, port: int, trap: _SignalTrap) -> None:
         """Start the ranks from the calling thread: a rank's parent-death signal (see
         gpucoll.orphan_guard) fires when the thread that forked it ends, and this thread
-        returns from :func:`run_job` only after every rank is reaped."""
+        returns from :func:`run_job` only after every rank is reaped. Each rank is registered
+        with the orphan reaper before its wait thread can reap it (its pid is then still its)."""
         for local_rank in range(self.cfg.nproc):
             if trap.received:
                 return
