@@ -29,13 +29,15 @@ given, and is a child of the launcher (or the launcher is already gone). Pid reu
 watcher opens a pidfd on each rank (``os.pidfd_open``) at registration; before it signals
 group ``G`` it checks that the rank it registered still leads it (the pidfd has not fired),
 or, when that rank has exited but its children live on, that pid ``G`` is free or still that
-rank's zombie (a pid cannot be reused while a group of that number has members) and that the
-group's members belong to session ``G`` and started after the rank. Without pidfds (Linux
-before 5.3, some seccomp profiles) the same checks use the start time in ``/proc`` alone.
-Without ``/proc`` (macOS) a group is signalled when it exists, relying on the launcher's
-``ended`` lines; a pid reused between a rank's end and the launcher's death could then be
-hit, which the Linux checks rule out. A rank (or its child) that moves to a new session
-(``setsid``) leaves the group and is not followed.
+rank's zombie (a pid is not reused while a group of that number has members) and that the
+group has live members in session ``G`` that started after the rank. What would still pass:
+the group emptied, pid ``G`` went to a new process (a wrap-around of the pid counter), which
+made a session of its own, started children and exited, all before the launcher died. Without
+pidfds (Linux before 5.3, some seccomp profiles) the same checks use the start time in
+``/proc`` alone. Without ``/proc`` (macOS) a group is signalled when it exists, relying on the
+launcher's ``ended`` lines: a pid reused between a failed rank's end and the launcher's death
+could then be hit. A rank (or its child) that moves to a new session (``setsid``) leaves the
+group and is not followed.
 
 The launcher side is :class:`ReaperLink`; both halves live here so that the protocol is in
 one place.
@@ -43,7 +45,6 @@ one place.
 
 from __future__ import annotations
 
-import errno
 import os
 import select
 import signal
@@ -61,18 +62,20 @@ MAX_LINE = 256
 PREFIX = "gpucoll run (orphan reaper)"
 
 
+# After the command name: 0 state, 1 ppid, 2 pgrp, 3 session, ... 19 starttime (field 22).
+_STATE, _PPID, _PGRP, _SESSION, _START = 0, 1, 2, 3, 19
+
+
 def _stat(pid: int) -> Optional[List[str]]:
     """Fields of ``/proc/PID/stat`` after the command name (state first), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             text = handle.read().decode("ascii", "replace")
-    except (OSError, ValueError):
+        fields = text.rsplit(")", 1)[1].split()
+        int(fields[_START])
+    except (OSError, ValueError, IndexError):  # gone, or read while it went
         return None
-    return text.rsplit(")", 1)[1].split()
-
-
-# After the command name: 0 state, 1 ppid, 2 pgrp, 3 session, ... 19 starttime (field 22).
-_STATE, _PPID, _PGRP, _SESSION, _START = 0, 1, 2, 3, 19
+    return fields
 
 
 def process_start_ticks(pid: int) -> int:
@@ -99,9 +102,7 @@ def _open_pidfd(pid: int) -> Optional[int]:
         return None
     try:
         return opener(pid)
-    except OSError as exc:
-        if exc.errno not in (errno.ESRCH, errno.ENOSYS, errno.EPERM, errno.EINVAL):
-            raise
+    except OSError:  # gone, no pidfds here (ENOSYS, a seccomp EPERM), out of descriptors
         return None
 
 
@@ -254,8 +255,11 @@ class Reaper:
             if not line:
                 self.stop_groups()
                 return 0
-            if self.handle(line):
-                return 0
+            try:
+                if self.handle(line):
+                    return 0
+            except Exception as exc:  # noqa: BLE001  (the watcher must outlive any one line)
+                _say(f"refused {line[:80]!r}: {type(exc).__name__}: {exc}")
 
 
 def main(argv: List[str]) -> int:
@@ -293,6 +297,10 @@ class ReaperLink:
         self.proc: Optional[subprocess.Popen] = None
         self.fd: Optional[int] = None
         if os.name != "posix":
+            return
+        if not sys.executable:  # an embedded interpreter: nothing to run the watcher with
+            say("cannot start the orphan reaper (no sys.executable); processes the ranks "
+                "start may outlive a killed launcher")
             return
         read_end, write_end = os.pipe()  # neither end is inherited by the ranks
         try:  # -I: not even this file's folder on sys.path (gpucoll/types.py is no stdlib)

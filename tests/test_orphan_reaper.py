@@ -117,6 +117,8 @@ def _sleeper(**popen: object) -> subprocess.Popen:
 
 
 def test_the_reaper_refuses_what_is_not_a_rank_of_its_launcher_and_signals_only_ranks():
+    # Registered: a running rank, and one that exited leaving a child in its group (found
+    # through /proc). Refused: malformed lines, and pids that are not ranks of the launcher.
     # This test process plays the launcher: the reaper is its child, as are the "ranks".
     rank = _sleeper(start_new_session=True)  # registered: the only one to be signalled
     bystander = _sleeper(start_new_session=True)  # a rank's shape, but never registered
@@ -124,9 +126,16 @@ def test_the_reaper_refuses_what_is_not_a_rank_of_its_launcher_and_signals_only_
     adopted = subprocess.Popen(["sh", "-c", "setsid sleep 60 & echo $!; wait"],
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                                start_new_session=True)  # leads a session, but not our child
+    # A registered rank that exited and was reaped, leaving a child in its group.
+    leaderless = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
     reaper = None
+    stranger = left_behind = None
     try:
         stranger = int(adopted.stdout.readline())
+        left_behind = int(leaderless.stdout.readline())
+        leaderless_start = _start_ticks(leaderless.pid)  # unreaped until the wait below
+        assert leaderless.wait(DEADLINE) == 0
         lines = [
             b"hello",
             b"rank",
@@ -141,6 +150,7 @@ def test_the_reaper_refuses_what_is_not_a_rank_of_its_launcher_and_signals_only_
             b"done please",
             b"\xff\xfe" + b"x" * 400,  # cut at 256 bytes: two refusals
             f"rank {rank.pid} {_start_ticks(rank.pid)}".encode(),
+            f"rank {leaderless.pid} {leaderless_start}".encode(),
         ]
         reaper = subprocess.Popen([sys.executable, "-I", "-S", REAPER, str(os.getpid()), "30"],
                                   stdin=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -150,11 +160,12 @@ def test_the_reaper_refuses_what_is_not_a_rank_of_its_launcher_and_signals_only_
         text = err.decode()
         assert reaper.returncode == 0, text
         assert rank.wait(DEADLINE) == -signal.SIGTERM
+        seconds_until_gone({"left behind": left_behind})
         for process in (bystander, same_group, adopted):
             assert process.poll() is None, text
         assert is_alive(stranger), text
         refusals = [line for line in text.splitlines() if ": refused " in line]
-        assert len(refusals) == len(lines) - 1 + 1, text  # all but the rank; the long line twice
+        assert len(refusals) == len(lines) - 2 + 1, text  # all but the ranks; the long line twice
         for expected in ["expected 'rank PID START', 'ended PID' or 'done'",
                          "pid 1 cannot be a rank", f"pid {os.getpid()} cannot be a rank",
                          f"pid {same_group.pid} does not lead its own session and process group",
@@ -163,12 +174,15 @@ def test_the_reaper_refuses_what_is_not_a_rank_of_its_launcher_and_signals_only_
                          "start time 0 is not a process's",
                          f"pid {bystander.pid} is not a registered rank"]:
             assert expected in text, (expected, text)
-        assert f"SIGTERM to the process groups of its ranks ({rank.pid})" in text, text
+        assert f"SIGTERM to the process groups of its ranks ({rank.pid}, {leaderless.pid})" \
+            in text, text
     finally:
-        kill_pids([process.pid for process in (rank, bystander, same_group, adopted)])
-        for process in (rank, bystander, same_group, adopted):
+        kill_pids([process.pid for process in (rank, bystander, same_group, adopted)]
+                  + [pid for pid in (stranger, left_behind) if pid is not None])
+        for process in (rank, bystander, same_group, adopted, leaderless):
             process.wait(5)
-        adopted.stdout.close()
+            if process.stdout is not None:
+                process.stdout.close()
         if reaper is not None and reaper.poll() is None:
             reaper.kill()
             reaper.wait(5)
