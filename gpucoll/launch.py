@@ -66,7 +66,7 @@ from .launch_signals import describe_exit, exit_code_of  # noqa: F401  (re-expor
 from .launch_signals import signal_group as _signal_group
 from .launch_signals import signal_name as _signal_name
 from .orphan_guard import guard_rank, launcher_variables
-from .orphan_reaper import ReaperLink
+from .launch_reaper import ReaperLink
 
 __all__ = [
     "LaunchConfig",

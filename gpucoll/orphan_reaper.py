@@ -7,9 +7,9 @@ killer, a batch system that kills only the top process) cannot stop those groups
 in-rank guard (:mod:`gpucoll.orphan_guard`) only helps a process that calls ``gc.init()``, and
 only stops that process. So the launcher starts this small watcher first:
 
-- it runs as ``python -I -S orphan_reaper.py LAUNCHER_PID GRACE`` (this file by path, standard
-  library only: no ``import gpucoll``, so it starts in about 15 ms and the launcher does not
-  wait for it to start), in a session of its own, so a signal to the launcher's process group (a
+- it runs as ``python -I -S orphan_reaper.py LAUNCHER_PID GRACE`` (this file by path, no
+  ``import gpucoll`` and no module beyond what the interpreter loads anyway, so it starts in
+  about 10 ms, and the launcher does not wait for it to start), in a session of its own, so a signal to the launcher's process group (a
   terminal's Ctrl-C, ``kill -9 -- -PGID``) does not reach it;
 - its stdin is a pipe from the launcher, which writes one line per rank it starts
   (``rank PID START``: the rank's pid, which is also its process group and session id, and its
@@ -39,21 +39,23 @@ launcher's ``ended`` lines: a pid reused between a failed rank's end and the lau
 could then be hit. A rank (or its child) that moves to a new session (``setsid``) leaves the
 group and is not followed.
 
-The launcher side is :class:`ReaperLink`; both halves live here so that the protocol is in
-one place.
+The launcher's end of the pipe is :class:`gpucoll.launch_reaper.ReaperLink`.
 """
 
 from __future__ import annotations
 
 import os
 import select
-import signal
-import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
 
-__all__ = ["ReaperLink", "process_start_ticks", "main", "POLL_INTERVAL", "MAX_LINE"]
+# No other import: the watcher starts with the interpreter's own modules only (``signal``,
+# ``subprocess`` and ``typing`` would take several times its ~10 ms start). Annotations are
+# never evaluated here (``from __future__ import annotations``).
+
+__all__ = ["process_start_ticks", "main", "SIGTERM", "SIGKILL", "POLL_INTERVAL", "MAX_LINE"]
+
+SIGTERM, SIGKILL = 15, 9  # the same on every POSIX system (XSI); not from ``signal`` (see above)
 
 POLL_INTERVAL = 0.02
 """Seconds between checks, during the grace, of whether the signalled groups are empty."""
@@ -66,7 +68,7 @@ PREFIX = "gpucoll run (orphan reaper)"
 _STATE, _PPID, _PGRP, _SESSION, _START = 0, 1, 2, 3, 19
 
 
-def _stat(pid: int) -> Optional[List[str]]:
+def _stat(pid: int) -> list[str] | None:
     """Fields of ``/proc/PID/stat`` after the command name (state first), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
@@ -96,7 +98,7 @@ def _say(message: str) -> None:
         pass
 
 
-def _open_pidfd(pid: int) -> Optional[int]:
+def _open_pidfd(pid: int) -> int | None:
     opener = getattr(os, "pidfd_open", None)
     if opener is None:
         return None
@@ -109,18 +111,18 @@ def _open_pidfd(pid: int) -> Optional[int]:
 class _Group:
     """A registered rank: the leader of process group and session ``pgid``."""
 
-    def __init__(self, pgid: int, start: int, pidfd: Optional[int]):
+    def __init__(self, pgid: int, start: int, pidfd: int | None):
         self.pgid = pgid
         self.start = start
         self.pidfd = pidfd
 
-    def leader_alive(self) -> Optional[bool]:
+    def leader_alive(self) -> bool | None:
         """Whether the registered leader still runs, by its pidfd; None without one."""
         if self.pidfd is None:
             return None
         return not select.select([self.pidfd], [], [], 0)[0]
 
-    def members(self) -> List[int]:
+    def members(self) -> list[int]:
         """Live (not zombie) processes of group ``pgid`` in session ``pgid`` that started no
         earlier than the leader, from ``/proc``."""
         found = []
@@ -159,7 +161,7 @@ class Reaper:
     def __init__(self, launcher: int, grace: float):
         self.launcher = launcher
         self.grace = grace
-        self.groups: Dict[int, _Group] = {}
+        self.groups: dict[int, _Group] = {}
         self.have_proc = _have_proc()
 
     def launcher_gone(self) -> bool:
@@ -217,7 +219,7 @@ class Reaper:
         if group.pidfd is not None:
             os.close(group.pidfd)
 
-    def _signal(self, groups: List[_Group], signum: int) -> List[_Group]:
+    def _signal(self, groups: list[_Group], signum: int) -> list[_Group]:
         sent = []
         for group in groups:
             try:
@@ -229,7 +231,7 @@ class Reaper:
 
     def stop_groups(self) -> None:
         """SIGTERM every registered group still there, SIGKILL those left after the grace."""
-        targets = self._signal([g for g in self.groups.values() if g.is_ours()], signal.SIGTERM)
+        targets = self._signal([g for g in self.groups.values() if g.is_ours()], SIGTERM)
         if not targets:
             return
         pgids = ", ".join(str(group.pgid) for group in targets)
@@ -242,7 +244,7 @@ class Reaper:
             if not targets or remaining <= 0:
                 break
             time.sleep(min(POLL_INTERVAL, remaining))
-        killed = self._signal(targets, signal.SIGKILL)
+        killed = self._signal(targets, SIGKILL)
         if killed:
             _say(f"process groups {', '.join(str(g.pgid) for g in killed)} still running "
                  f"{self.grace:g} s after SIGTERM; SIGKILL")
@@ -262,7 +264,7 @@ class Reaper:
                 _say(f"refused {line[:80]!r}: {type(exc).__name__}: {exc}")
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """``orphan_reaper.py LAUNCHER_PID GRACE``: serve stdin (see the module doc).
 
     Returns:
@@ -279,81 +281,8 @@ def main(argv: List[str]) -> int:
     except ValueError as exc:
         _say(f"bad arguments: {exc}")
         return 2
-    for name in ("SIGINT", "SIGHUP"):  # a terminal's signals are the launcher's to handle
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    # In a session of its own, with no controlling terminal: no terminal's SIGINT or SIGHUP.
     return Reaper(launcher, grace).serve(sys.stdin.buffer)
-
-
-class ReaperLink:
-    """The launcher's end of the pipe: start the watcher, register ranks, end it.
-
-    Every call is cheap and never raises: when the watcher cannot be started or its pipe
-    breaks, the link says so once through ``say`` and does nothing more (the in-rank guard
-    still covers ranks that call ``gc.init()``).
-    """
-
-    def __init__(self, grace: float, say: Callable[[str], None]) -> None:
-        self.say = say
-        self.proc: Optional[subprocess.Popen] = None
-        self.fd: Optional[int] = None
-        if os.name != "posix":
-            return
-        if not sys.executable:  # an embedded interpreter: nothing to run the watcher with
-            say("cannot start the orphan reaper (no sys.executable); processes the ranks "
-                "start may outlive a killed launcher")
-            return
-        read_end, write_end = os.pipe()  # neither end is inherited by the ranks
-        try:  # -I: not even this file's folder on sys.path (gpucoll/types.py is no stdlib)
-            self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
-                 repr(float(grace))],
-                stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            os.close(write_end)
-            say(f"cannot start the orphan reaper ({exc}); processes the ranks start may "
-                f"outlive a killed launcher")
-            return
-        finally:
-            os.close(read_end)
-        os.set_blocking(write_end, False)  # a stuck watcher must never block the launcher
-        self.fd = write_end
-
-    @property
-    def pid(self) -> Optional[int]:
-        return None if self.proc is None else self.proc.pid
-
-    def _send(self, line: str) -> None:
-        if self.fd is None:
-            return
-        try:
-            os.write(self.fd, line.encode("ascii"))
-        except OSError as exc:
-            self.say(f"the orphan reaper (pid {self.pid}) stopped listening ({exc}); processes "
-                     f"the ranks start may outlive a killed launcher")
-            os.close(self.fd)
-            self.fd = None
-
-    def register(self, pid: int) -> None:
-        """Call right after starting the rank ``pid``, before anything may reap it."""
-        self._send(f"rank {pid} {process_start_ticks(pid)}\n")
-
-    def ended(self, pid: int) -> None:
-        """The rank ``pid`` exited 0: its group is left alone from now on."""
-        self._send(f"ended {pid}\n")
-
-    def close(self) -> None:
-        """Normal end: ``done``, close the pipe, and reap the watcher. One still starting up
-        (a job shorter than its ~15 ms start) is SIGKILLed rather than waited for: after
-        ``done`` it has nothing left to do. It is this process's unreaped child, so its pid
-        cannot be anyone else's."""
-        self._send("done\n")
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait()
 
 
 if __name__ == "__main__":
