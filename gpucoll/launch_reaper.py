@@ -3,7 +3,7 @@ tell it of each rank's process group, end it at a normal end.
 
 The lines it writes (``rank PID START``, ``ended PID``, ``done``) are described and parsed in
 :mod:`gpucoll.orphan_reaper`. Starting the watcher costs the launcher one ``fork``/``exec``
-(about 2.5 ms); the watcher's interpreter starts alongside the ranks.
+(well under 3 ms); the watcher's interpreter starts alongside the ranks (bench/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ nothing unregistered is signalled. Every process a test starts is killed in a ``
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+
+from gpucoll.launch import LaunchConfig, run_job
 
 from orphan_procs import (DEADLINE, ROOT, SCRIPTS, env_for_job, is_alive, kill_launcher_of,
                           kill_pids, read_pids, reaper_of, seconds_until_gone, stat_fields,
@@ -101,6 +104,16 @@ def test_at_a_normal_end_the_reaper_goes_with_the_launcher(tmp_path: Path, code:
         kill_pids([launcher.pid, *pids.values(), *read_pids(tmp_path).values()])
         launcher.wait(5)
         launcher.stderr.close()
+
+
+def test_a_launcher_that_cannot_start_its_reaper_says_so_and_runs_the_job(monkeypatch):
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "executable", str(ROOT / "no-such-python"))
+    code = run_job(LaunchConfig("sh", ("-c", "exit 0"), nproc=2, env=env_for_job(),
+                                stdout=io.StringIO(), stderr=err))
+    assert code == 0, err.getvalue()
+    assert "gpucoll run: cannot start the orphan reaper ([Errno 2] No such file or directory" \
+        in err.getvalue(), err.getvalue()
 
 
 # -- the reaper's input, directly -------------------------------------------------------------
