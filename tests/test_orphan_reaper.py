@@ -20,7 +20,8 @@ from typing import Dict, List
 
 import pytest
 
-from gpucoll.launch import LaunchConfig, run_job
+from gpucoll.launch import LaunchConfig, UsageError, run_job
+from gpucoll.launch_config import plan_launch
 
 from orphan_procs import (DEADLINE, ROOT, SCRIPTS, env_for_job, is_alive, kill_launcher_of,
                           kill_pids, read_pids, reaper_of, seconds_until_gone, stat_fields,
@@ -104,6 +105,13 @@ def test_at_a_normal_end_the_reaper_goes_with_the_launcher(tmp_path: Path, code:
         kill_pids([launcher.pid, *pids.values(), *read_pids(tmp_path).values()])
         launcher.wait(5)
         launcher.stderr.close()
+
+
+@pytest.mark.parametrize("grace", ["-1", "inf", "nan", "soon"])
+def test_a_bad_grace_is_a_usage_error_before_anything_starts(grace):
+    with pytest.raises(UsageError, match=f"GPUCOLL_ORPHAN_GRACE.*{grace}"):
+        plan_launch(LaunchConfig("sh", ("-c", "exit 0"), nproc=2,
+                                 env=env_for_job(GPUCOLL_ORPHAN_GRACE=grace)))
 
 
 def test_a_launcher_that_cannot_start_its_reaper_says_so_and_runs_the_job(monkeypatch):
