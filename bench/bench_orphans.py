@@ -22,7 +22,7 @@ gone), capped at ``--cap`` seconds. Cases:
 tree (an export of an earlier commit: ``git archive REV | tar -x -C TREE``), for a before and
 after in one run. ``--launch-overhead N`` instead times ``gpucoll run -n 2 python -c pass`` N
 times (median, interleaved): the command line of this tree (and of ``--baseline``), and
-``run_job`` with ``orphan_reaper`` on and off.
+``run_job`` in this process with ``orphan_reaper`` on and off (2N times each).
 
 Usage::
 
@@ -34,6 +34,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import signal
@@ -117,11 +118,6 @@ def trial(command: List[str], processes: int, cap: float,
             launcher.wait(5)
 
 
-_DRIVER = ("import sys; from gpucoll.launch import LaunchConfig, run_job; "
-           "sys.exit(run_job(LaunchConfig(sys.executable, ('-c', 'pass'), nproc=2, "
-           "orphan_reaper={})))")
-
-
 def launch_overhead(repeats: int, baseline: Optional[Path]) -> None:
     """Wall time of ``gpucoll run -n 2 python -c pass``, each variant ``repeats`` times,
     interleaved; median and min."""
@@ -131,9 +127,6 @@ def launch_overhead(repeats: int, baseline: Optional[Path]) -> None:
     if baseline is not None:
         variants["before: gpucoll run -n 2 python -c pass"] = (
             [sys.executable, "-m", "gpucoll", *pass_job], baseline)
-    for flag in (True, False):
-        variants[f"run_job(..., orphan_reaper={flag})"] = (
-            [sys.executable, "-c", _DRIVER.format(flag)], ROOT)
     times: Dict[str, List[float]] = {name: [] for name in variants}
     env = {key: value for key, value in os.environ.items() if key not in _OUTER}
     with tempfile.TemporaryDirectory() as cwd:  # not the tree: python -m would import it
@@ -144,6 +137,19 @@ def launch_overhead(repeats: int, baseline: Optional[Path]) -> None:
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, check=True, timeout=120)
                 times[name].append(time.monotonic() - start)
+    # The same job from run_job in this process: no interpreter start or import in the time.
+    from gpucoll.launch import LaunchConfig, run_job
+
+    for flag in (True, False):
+        times[f"run_job in-process, orphan_reaper={flag}"] = []
+    for _ in range(2 * repeats):
+        for flag in (True, False):
+            start = time.monotonic()
+            code = run_job(LaunchConfig(sys.executable, ("-c", "pass"), nproc=2, env=env,
+                                        orphan_reaper=flag, stdout=io.StringIO(),
+                                        stderr=io.StringIO()))
+            times[f"run_job in-process, orphan_reaper={flag}"].append(time.monotonic() - start)
+            assert code == 0
     print(f"{'launch':<44} {'median ms':>10} {'min ms':>10}  trials (ms)")
     for name, values in times.items():
         listed = " ".join(f"{t * 1e3:.0f}" for t in values)
