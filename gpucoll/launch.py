@@ -61,12 +61,12 @@ from .launch_config import DEFAULT_MULTI_NODE_PORT, KILL_GRACE, LaunchConfig  # 
 from .launch_config import Plan as _Plan
 from .launch_config import plan_launch as _plan
 from .launch_program import THREAD_VARIABLES, limits_threads, thread_notice
+from .launch_reaper import ReaperLink
 from .launch_signals import SignalTrap as _SignalTrap
 from .launch_signals import describe_exit, exit_code_of  # noqa: F401  (re-exported)
 from .launch_signals import signal_group as _signal_group
 from .launch_signals import signal_name as _signal_name
 from .orphan_guard import guard_rank, launcher_variables
-from .launch_reaper import ReaperLink
 
 __all__ = [
     "LaunchConfig",

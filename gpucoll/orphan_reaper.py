@@ -141,11 +141,13 @@ class _Group:
         (see the module doc); False when it is empty or its number now belongs to another."""
         if self.leader_alive():
             return True
+        try:  # cheap first: a group with no process at all (zombies count) is done
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:  # there, but not ours to signal (another user's)
+            pass
         if not _have_proc():
-            try:
-                os.killpg(self.pgid, 0)
-            except OSError:
-                return False
             return True
         leader = _stat(self.pgid)
         if leader is not None and int(leader[_START]) != self.start:
