@@ -152,7 +152,8 @@ _GPUCOLL = [
             "A rank in another one (a container with its own pids) is not guarded."),
     Setting("GPUCOLL_ORPHAN_GRACE", float, 3.0,
             "Seconds between the SIGTERM and the SIGKILL a rank gets when its launcher died "
-            "(time for a SIGTERM handler to save a checkpoint)."),
+            "(time for a SIGTERM handler to save a checkpoint); under `gpucoll run` the same "
+            "for each rank's process group (the launcher's orphan reaper)."),
     Setting("GPUCOLL_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "Level of the `gpucoll` logger."),
     Setting("GPUCOLL_QUIET", _parse_bool, False,

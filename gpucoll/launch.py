@@ -29,8 +29,12 @@ the launcher records its death in the store (so ``comm.shrink()`` on the survivo
 wait for it), and the job succeeds when the survivors exit 0; it is stopped as above when
 fewer than ``min_ranks`` ranks remain. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
 the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124. A launcher
-killed outright (SIGKILL) cannot; its ranks then stop themselves (:mod:`gpucoll.orphan_guard`),
-and a launcher that is itself a rank of another one stops as on SIGTERM when that one dies.
+killed outright (SIGKILL) cannot. Two layers stop its ranks then: its orphan reaper
+(:mod:`gpucoll.orphan_reaper`), a watcher it starts before the ranks, in a session of its own,
+that sends every still-running rank's process group SIGTERM, then SIGKILL after
+``GPUCOLL_ORPHAN_GRACE`` (ranks that never call ``gc.init()`` and every process a rank started
+included); and, in ranks that call ``gc.init()``, the in-rank guard (:mod:`gpucoll.orphan_guard`),
+by which a launcher that is itself a rank of another one stops as on SIGTERM when that one dies.
 
 Example::
 
@@ -57,6 +61,7 @@ from .launch_config import DEFAULT_MULTI_NODE_PORT, KILL_GRACE, LaunchConfig  # 
 from .launch_config import Plan as _Plan
 from .launch_config import plan_launch as _plan
 from .launch_program import THREAD_VARIABLES, limits_threads, thread_notice
+from .launch_reaper import ReaperLink
 from .launch_signals import SignalTrap as _SignalTrap
 from .launch_signals import describe_exit, exit_code_of  # noqa: F401  (re-exported)
 from .launch_signals import signal_group as _signal_group
@@ -128,6 +133,7 @@ class _Job:
         self.exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()  # (local rank, returncode)
         self.lost: List[_Rank] = []  # elastic: ranks that died while the others went on
         self.port = plan.port
+        self.reaper: Optional[ReaperLink] = None  # started by run()
 
     # -- output ---------------------------------------------------------------------------
 
@@ -216,13 +222,16 @@ class _Job:
     def _spawn(self, port: int, trap: _SignalTrap) -> None:
         """Start the ranks from the calling thread: a rank's parent-death signal (see
         gpucoll.orphan_guard) fires when the thread that forked it ends, and this thread
-        returns from :func:`run_job` only after every rank is reaped."""
+        returns from :func:`run_job` only after every rank is reaped. Each rank is registered
+        with the orphan reaper before its wait thread can reap it (its pid is then still its)."""
         for local_rank in range(self.cfg.nproc):
             if trap.received:
                 return
             proc = subprocess.Popen(
                 self.plan.command, env=self._rank_env(port, local_rank), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            if self.reaper is not None:  # before the wait thread below can reap it
+                self.reaper.register(proc.pid)
             rank = _Rank(self.cfg.node_rank * self.cfg.nproc + local_rank, local_rank, proc)
             self.ranks.append(rank)
             prefix = f"[rank {rank.rank}] "
@@ -245,6 +254,8 @@ class _Job:
             return None
         rank = self.ranks[local_rank]
         rank.returncode = returncode
+        if returncode == 0 and self.reaper is not None:  # its group is left alone from now on
+            self.reaper.ended(rank.proc.pid)
         return rank
 
     def _alive(self) -> List[_Rank]:
@@ -400,6 +411,8 @@ class _Job:
             try:
                 start = time.monotonic()
                 deadline = None if self.cfg.timeout is None else start + self.cfg.timeout
+                if self.cfg.orphan_reaper:
+                    self.reaper = ReaperLink(plan.orphan_grace, self.say)
                 try:
                     self._spawn(port, trap)
                 except OSError as exc:
@@ -416,6 +429,8 @@ class _Job:
             finally:
                 if not stopped and self._alive():  # an unexpected error: never leave orphans
                     self.stop_all(trap)
+                if self.reaper is not None:
+                    self.reaper.close()
                 if server is not None:
                     server.close()
                 if plan.token:  # segments of a rank killed while setting up its communicator

@@ -45,6 +45,8 @@ class LaunchConfig:
         stderr: where prefixed rank stderr lines and launcher messages go (None: ``sys.stderr``).
         elastic: a rank that dies does not stop the others (see the module doc).
         min_ranks: with ``elastic``, stop the job when fewer of this node's ranks remain.
+        orphan_reaper: start the watcher that stops the ranks' process groups if this
+            launcher is killed (:mod:`gpucoll.orphan_reaper`); False only to measure its cost.
     """
 
     program: str
@@ -63,6 +65,7 @@ class LaunchConfig:
     stderr: Optional[TextIO] = None
     elastic: bool = False
     min_ranks: int = 1
+    orphan_reaper: bool = True
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Plan:
     token: str
     command: Tuple[str, ...]
     base_env: Dict[str, str]
+    orphan_grace: float = 3.0  # GPUCOLL_ORPHAN_GRACE of the ranks' environment
 
 
 def token_hint() -> str:
@@ -138,4 +142,12 @@ def plan_launch(cfg: LaunchConfig) -> Plan:
                              f"other users off the job's store; {token_hint()}")
         master_addr = cfg.master_addr
         bind_host = "0.0.0.0" if node_rank == 0 else None
-    return Plan(nnodes * nproc, bind_host, port, master_addr, token, command, base_env)
+    try:
+        orphan_grace = config.get("GPUCOLL_ORPHAN_GRACE", base_env)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not 0 <= orphan_grace < float("inf"):
+        raise UsageError(f"GPUCOLL_ORPHAN_GRACE must be a finite number of seconds >= 0, got "
+                         f"{orphan_grace!r}")
+    return Plan(nnodes * nproc, bind_host, port, master_addr, token, command, base_env,
+                orphan_grace)

@@ -1,9 +1,18 @@
-"""Ranks do not outlive their launcher, even when the launcher is SIGKILLed.
+"""Ranks do not outlive their launcher, even when the launcher is SIGKILLed: the in-rank guard.
 
 ``gpucoll run`` and ``gc.spawn`` host the job's store and read the ranks' output; when the
 launcher is killed outright (``kill -9``, the OOM killer, a batch system that kills only the
 top process) it cannot stop its ranks, and without this guard they would run on as orphans,
 blocked in a collective or training with nobody reading their output.
+
+There are two layers. This one acts from inside each rank that calls ``gc.init()``, whatever
+started it (``gpucoll run``, ``gc.spawn``, ``gpucoll bench``, a nested ``gpucoll run``), and
+stops that process. Under ``gpucoll run`` a second one, the launcher's orphan reaper
+(:mod:`gpucoll.orphan_reaper`, a watcher process outside the launcher's process group),
+signals each rank's whole process group when the launcher dies: ranks that never call
+``gc.init()`` (a shell script, a binary) and the processes ranks start (data-loader workers,
+``subprocess`` children). Either layer alone stops a Python rank; both act, and a rank may get
+SIGTERM from each.
 
 How it works. The launcher gives each rank :func:`launcher_variables`: its own pid
 (``GPUCOLL_LAUNCHER_PID``) and pid namespace. :func:`guard_rank`, called by ``gc.init()`` in
@@ -38,9 +47,11 @@ shell script, ``gc.spawn``'s inherited stderr when the rank handles SIGTERM) sho
 What it does not touch: processes with no ``GPUCOLL_LAUNCHER_PID`` (torchrun, mpiexec, srun,
 hand-started ranks), ranks in another pid namespace than their launcher (a container with its
 own pids: the pid means nothing there), and a process whose launcher is alive but no ancestor of
-it. A program that never calls ``gc.init()`` (a binary, a script that does not use gpucoll)
-cannot be guarded this way. Importing this module starts nothing; :func:`guard_rank` starts at
-most one thread per process.
+it. A program that never calls ``gc.init()`` (a binary, a script that does not use gpucoll),
+and the children of a rank, cannot be guarded this way: under ``gpucoll run`` the orphan reaper
+stops them; under ``gc.spawn`` (its ranks share the caller's process group, so there is no
+group of theirs to signal) they outlive a SIGKILLed caller. Importing this module starts
+nothing; :func:`guard_rank` starts at most one thread per process.
 """
 
 from __future__ import annotations

@@ -17,130 +17,43 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional
 
 import pytest
 
-from gpucoll.transports.shm import SHM_DIR, job_prefix
+from orphan_procs import (DEADLINE, ROOT, SCRIPTS, env_for_job, kill_launcher_of, kill_pids,
+                          read_pids, seconds_until_gone, shm_files, wait_for_pids)
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "tests" / "scripts"
 RANK_SCRIPT = str(SCRIPTS / "orphan_rank.py")
 JOB_SCRIPT = str(SCRIPTS / "orphan_job.sh")
-DEADLINE = 10.0  # seconds the ranks of a SIGKILLed launcher may take to go
-
-_OUTER = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "GPUCOLL_AUTH_TOKEN", "GPUCOLL_LAUNCHER_STORE", "GPUCOLL_LAUNCHER_PID",
-          "GPUCOLL_LAUNCHER_PID_NAMESPACE", "GPUCOLL_ORPHAN_GRACE"]
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 
 
-def _env(**extra: str) -> Dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in _OUTER}
-    env["PYTHONPATH"] = str(ROOT)
-    env["ORPHAN_PYTHON"] = sys.executable
-    env.update(extra)
-    return env
-
-
-def _is_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _pids(piddir: Path) -> Dict[str, int]:
-    return {path.name: int(path.read_text()) for path in piddir.glob("*.pid")}
-
-
-def _wait_for_pids(piddir: Path, count: int, launcher: subprocess.Popen,
-                   timeout: float = 30) -> Dict[str, int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pids = _pids(piddir)
-        if len(pids) >= count:
-            return pids
-        if launcher.poll() is not None:
-            raise AssertionError(f"the launcher ended early:\n{launcher.stderr.read()}")
-        time.sleep(0.05)
-    raise AssertionError(f"only {sorted(_pids(piddir))} of {count} pid files appeared")
-
-
-def _seconds_until_gone(pids: Dict[str, int], timeout: float = DEADLINE) -> float:
-    """Seconds until every pid is gone; fails naming the survivors after ``timeout``."""
-    start = time.monotonic()
-    while True:
-        alive = {name: pid for name, pid in pids.items() if _is_alive(pid)}
-        elapsed = time.monotonic() - start
-        if not alive:
-            return elapsed
-        if elapsed > timeout:
-            raise AssertionError(f"still running {timeout:g} s after the launcher was killed: "
-                                 f"{alive}")
-        time.sleep(0.02)
-
-
-def _kill(pids: Sequence[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _shm_files(token: str) -> List[str]:
-    prefix = job_prefix(token)
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix)) \
-        if os.path.isdir(SHM_DIR) else []
-
-
-def _kill_launcher_of(args: List[str], piddir: Path, ranks: int, extra_pids: int = 0,
-                      **env: str) -> Dict[str, int]:
-    """Start ``gpucoll run ARGS``, SIGKILL it once every rank wrote its pid, and return the
-    pids once they are all gone (the test fails if one outlives ``DEADLINE``)."""
-    token = secrets.token_hex(8)
-    launcher = subprocess.Popen([sys.executable, "-m", "gpucoll", "run", *args], cwd=ROOT,
-                                env=_env(GPUCOLL_AUTH_TOKEN=token, **env),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-    pids: Dict[str, int] = {}
-    try:
-        pids = _wait_for_pids(piddir, ranks + extra_pids, launcher)
-        launcher.kill()
-        launcher.wait(5)
-        _seconds_until_gone(pids)
-        assert _shm_files(token) == []
-        return pids
-    finally:
-        _kill([launcher.pid, *pids.values(), *_pids(piddir).values()])
-        launcher.wait(5)
-        launcher.stderr.close()
-
-
 # -- gpucoll run ------------------------------------------------------------------------------
 
 
+# The launcher's orphan reaper (tests/test_orphan_reaper.py) is SIGKILLed first in these
+# tests, so that what stops the ranks is the in-rank guard alone.
+
+
 def test_python_ranks_die_with_their_sigkilled_launcher(tmp_path: Path):
-    _kill_launcher_of(["-n", "2", RANK_SCRIPT, str(tmp_path)], tmp_path, ranks=2)
+    kill_launcher_of(["-n", "2", RANK_SCRIPT, str(tmp_path)], tmp_path, ranks=2, reaper=False)
 
 
 def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path):
     # The kernel's SIGTERM is ignored: the guard's thread sends SIGKILL after the grace.
-    _kill_launcher_of(["-n", "2", RANK_SCRIPT, str(tmp_path), "--ignore-term"], tmp_path,
-                      ranks=2, GPUCOLL_ORPHAN_GRACE="0.5")
+    kill_launcher_of(["-n", "2", RANK_SCRIPT, str(tmp_path), "--ignore-term"], tmp_path,
+                     ranks=2, reaper=False, GPUCOLL_ORPHAN_GRACE="0.5")
 
 
 @pytest.mark.parametrize("options", [[], ["--no-pidfd"], ["--ignore-term"]],
                          ids=["pidfd", "polling", "ignores-sigterm"])
 def test_ranks_under_a_shell_die_with_their_sigkilled_launcher(tmp_path: Path, options):
-    pids = _kill_launcher_of(["-n", "2", JOB_SCRIPT, str(tmp_path), *options], tmp_path,
-                             ranks=2, extra_pids=2, GPUCOLL_ORPHAN_GRACE="0.5")
-    assert sorted(pids) == ["rank0.pid", "rank1.pid", "shell0.pid", "shell1.pid"]
+    pids, _ = kill_launcher_of(["-n", "2", JOB_SCRIPT, str(tmp_path), *options], tmp_path,
+                               ranks=2, extra_pids=2, reaper=False, GPUCOLL_ORPHAN_GRACE="0.5")
+    assert sorted(pids) == ["rank0.pid", "rank1.pid", "reaper", "shell0.pid", "shell1.pid"]
     guarded = []
     for rank in (0, 1):
         err = (tmp_path / f"rank{rank}.err").read_text()
@@ -164,13 +77,13 @@ def test_a_normal_run_and_an_elastic_run_are_not_affected(tmp_path: Path):
         token = secrets.token_hex(8)
         result = subprocess.run(
             [sys.executable, "-m", "gpucoll", "run", "-n", "2", *extra, RANK_SCRIPT,
-             str(tmp_path), "--rounds", "150"], cwd=ROOT, env=_env(GPUCOLL_AUTH_TOKEN=token),
+             str(tmp_path), "--rounds", "150"], cwd=ROOT, env=env_for_job(GPUCOLL_AUTH_TOKEN=token),
             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=45)
         assert result.returncode == 0, result.stderr
         assert sorted(result.stdout.splitlines()) == ["[rank 0] rank 0 did 150 rounds",
                                                       "[rank 1] rank 1 did 150 rounds"]
         assert "gpucoll: rank" not in result.stderr
-        assert _shm_files(token) == []
+        assert shm_files(token) == []
 
 
 # -- gc.spawn ---------------------------------------------------------------------------------
@@ -182,16 +95,16 @@ def test_spawned_ranks_die_with_their_sigkilled_caller(tmp_path: Path):
     piddir = tmp_path / "pids"
     piddir.mkdir()
     caller = subprocess.Popen([sys.executable, SPAWN_CALLER, str(piddir)], cwd=tmp_path,
-                              env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              env=env_for_job(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     pids: Dict[str, int] = {}
     try:
-        pids = _wait_for_pids(piddir, 2, caller)
+        pids = wait_for_pids(piddir, 2, caller)
         caller.kill()
         caller.wait(5)
-        _seconds_until_gone(pids)
+        seconds_until_gone(pids)
     finally:
-        _kill([caller.pid, *pids.values(), *_pids(piddir).values()])
+        kill_pids([caller.pid, *pids.values(), *read_pids(piddir).values()])
         caller.wait(5)
         caller.stderr.close()
 
@@ -203,7 +116,7 @@ _GUARD = "from gpucoll.orphan_guard import guard_rank; print(guard_rank(), flush
 
 def _guard_in_child(launcher: Optional[int], *, namespace: Optional[str] = None,
                     via_shell: bool = False, code: str = _GUARD) -> subprocess.CompletedProcess:
-    env = _env(GPUCOLL_ORPHAN_GRACE="5")
+    env = env_for_job(GPUCOLL_ORPHAN_GRACE="5")
     if launcher is not None:
         env["GPUCOLL_LAUNCHER_PID"] = str(launcher)
     if namespace is not None:
@@ -273,18 +186,18 @@ def test_a_nested_launcher_stops_its_ranks_when_the_outer_one_dies(tmp_path: Pat
     token = secrets.token_hex(8)
     outer = subprocess.Popen(
         [sys.executable, "-m", "gpucoll", "run", "-n", "1", "-m", "gpucoll", "run", "-n", "2",
-         RANK_SCRIPT, str(tmp_path)], cwd=ROOT, env=_env(GPUCOLL_AUTH_TOKEN=token),
+         RANK_SCRIPT, str(tmp_path)], cwd=ROOT, env=env_for_job(GPUCOLL_AUTH_TOKEN=token),
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     pids: Dict[str, int] = {}
     try:
-        pids = _wait_for_pids(tmp_path, 2, outer)
+        pids = wait_for_pids(tmp_path, 2, outer)
         with open(f"/proc/{pids['rank0.pid']}/stat") as handle:
             pids["inner launcher"] = int(handle.read().rsplit(")", 1)[1].split()[1])
         assert pids["inner launcher"] != outer.pid
         outer.kill()
         outer.wait(5)
-        _seconds_until_gone(pids)
+        seconds_until_gone(pids)
     finally:
-        _kill([outer.pid, *pids.values()])
+        kill_pids([outer.pid, *pids.values()])
         outer.wait(5)
         outer.stderr.close()
