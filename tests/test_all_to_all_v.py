@@ -102,6 +102,20 @@ def test_all_to_all_v_matches_numpy(pool):
             np.testing.assert_array_equal(result, want, err_msg=f"rank {rank} {case_id}")
 
 
+def rank_large_all_to_all(comm, count):
+    x = make_input(77, comm.rank, (comm.size, count), "float32")
+    return comm.all_to_all(x), comm._all_shared and comm._shared.single_copy
+
+
+def test_large_all_to_all_reads_straight_from_the_peers(pool):
+    """From 1 MiB per rank, shared memory reads each block from its sender's array."""
+    n, count = pool.world_size, 300_000  # 1.2 MB per block
+    for rank, (result, single_copy) in enumerate(pool.run(rank_large_all_to_all, count)):
+        assert bool(single_copy) == (n > 1)  # so the single-copy path ran wherever there are peers
+        want = np.stack([make_input(77, s, (n, count), "float32")[rank] for s in range(n)])
+        np.testing.assert_array_equal(result, want)
+
+
 def _error(call):
     try:
         call()

@@ -45,6 +45,9 @@ MIN_STEP_BYTES = 64 << 10
 # arrays directly when the segment allows it (``segment.single_copy``): one copy, 2-3 syncs.
 SINGLE_COPY_BYTES = 256 << 10
 SCRATCH_BYTES = 256 << 10  # reduce chunk: the peer's bytes land here, then are combined
+# all_to_all reads straight from the peers' arrays from this many bytes per rank on (measured,
+# 2 ranks: 1.5x slower than two copies at 256 KiB, 1.8x faster at 1 MiB; bench/RESULTS.md)
+ALL_TO_ALL_SINGLE_COPY_BYTES = 1 << 20
 
 
 def _raw(array: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -353,9 +356,9 @@ def shared_all_to_all(segment: SharedSegment, send: np.ndarray, out: np.ndarray,
                       deadline: float) -> None:
     """All-to-all: each rank copies its L pieces in, 1 sync per step, and copies piece
     ``me`` of every slot out: L*N in and L*N out per rank (N = one piece). Single copy (L*N >=
-    SINGLE_COPY_BYTES): sync, read piece ``me`` of each peer's array straight into ``out``,
-    sync: L*N per rank, once."""
-    if segment.single_copy and send.nbytes >= SINGLE_COPY_BYTES:
+    ALL_TO_ALL_SINGLE_COPY_BYTES): sync, read piece ``me`` of each peer's array straight into
+    ``out``, sync: L*N per rank, once."""
+    if segment.single_copy and send.nbytes >= ALL_TO_ALL_SINGLE_COPY_BYTES:
         piece, me = out.nbytes // segment.size, segment.index
         raw, result = _raw(send), _raw(out)
         segment.lend(send)
