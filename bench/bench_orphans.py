@@ -27,8 +27,8 @@ times (median, interleaved): the command line of this tree (and of ``--baseline`
 Usage::
 
     python bench/bench_orphans.py               # 5 trials per case
-    python bench/bench_orphans.py --trials 3 --cap 10 --baseline /tmp/before
-    python bench/bench_orphans.py --launch-overhead 11 --baseline /tmp/before
+    python bench/bench_orphans.py --trials 3 --cap 10 --baseline ../before
+    python bench/bench_orphans.py --launch-overhead 11 --baseline ../before
 """
 
 from __future__ import annotations
