@@ -228,20 +228,26 @@ class CompositeCollectives:
                              f"shape ({'; '.join(parts)}); only the first axis may differ")
         return [int(row[0]) for row in table]
 
-    def _check_counts(self, counts: Any, rows: int, name: str) -> List[int]:
+    def _count_list(self, counts: Any, name: str, label: str = "counts") -> List[int]:
+        """``counts`` as ``size`` non-negative ints (``TypeError`` / ``ValueError`` naming
+        ``label`` otherwise)."""
         if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
-            raise TypeError(f"{name}: counts must be a sequence of {self.size} ints, got "
+            raise TypeError(f"{name}: {label} must be a sequence of {self.size} ints, got "
                             f"{type(counts).__name__}")
         if len(counts) != self.size:
-            raise ValueError(f"{name}: counts has {len(counts)} entries, expected one per rank "
+            raise ValueError(f"{name}: {label} has {len(counts)} entries, expected one per rank "
                              f"({self.size}): {list(counts)}")
         checked = []
         for index, count in enumerate(counts):
             if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)):
-                raise TypeError(f"{name}: counts[{index}] must be an int, got {count!r}")
+                raise TypeError(f"{name}: {label}[{index}] must be an int, got {count!r}")
             if count < 0:
-                raise ValueError(f"{name}: counts[{index}]={count} is negative")
+                raise ValueError(f"{name}: {label}[{index}]={count} is negative")
             checked.append(int(count))
+        return checked
+
+    def _check_counts(self, counts: Any, rows: int, name: str) -> List[int]:
+        checked = self._count_list(counts, name)
         if checked[self.rank] != rows:
             raise ValueError(f"{name}: counts[{self.rank}]={checked[self.rank]} but this rank's "
                              f"x has {rows} rows (x.shape[0])")

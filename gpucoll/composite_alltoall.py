@@ -34,7 +34,7 @@ def _to_host(array: Any) -> np.ndarray:
 class UnevenAllToAll:
     """Mixin of :class:`gpucoll.Communicator`: :meth:`all_to_all_v`. Uses the helpers of
     :class:`gpucoll.composite.CompositeCollectives` (``_empty_as``, ``_from_host``,
-    ``_concatenate``)."""
+    ``_concatenate``, ``_count_list``)."""
 
     rank: int
     size: int
@@ -84,19 +84,7 @@ class UnevenAllToAll:
         return self._hand_back(result, view, x_in), recv
 
     def _check_send_counts(self, counts: Any, rows: int) -> List[int]:
-        if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
-            raise TypeError(f"all_to_all_v: send_counts must be a sequence of {self.size} ints, "
-                            f"got {type(counts).__name__}")
-        if len(counts) != self.size:
-            raise ValueError(f"all_to_all_v: send_counts has {len(counts)} entries, expected one "
-                             f"per rank ({self.size}): {list(counts)}")
-        checked = []
-        for index, count in enumerate(counts):
-            if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)):
-                raise TypeError(f"all_to_all_v: send_counts[{index}] must be an int, got {count!r}")
-            if count < 0:
-                raise ValueError(f"all_to_all_v: send_counts[{index}]={count} is negative")
-            checked.append(int(count))
+        checked = self._count_list(counts, "all_to_all_v", "send_counts")
         if sum(checked) != rows:
             raise ValueError(f"all_to_all_v: send_counts sum to {sum(checked)} but x has {rows} "
                              f"rows (x.shape[0])")

@@ -211,3 +211,14 @@ def rank_pools(sizes, ids=lambda n: f"{n}ranks", **pool_args):
         ranks.close()
 
     return pool
+
+
+def error_text(call: Callable, kinds=(TypeError, ValueError)) -> str:
+    """``"ValueError: message"`` for what ``call()`` raises of ``kinds``, else ``"no error"``:
+    a rank's bad-input checks, returned as text so that one rank's expected error does not end
+    the run."""
+    try:
+        call()
+    except kinds as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

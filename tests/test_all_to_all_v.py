@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mp_harness import RankPool, rank_pools
+from mp_harness import RankPool, error_text, rank_pools
 from reference import make_input
 
 pytestmark = pytest.mark.timeout(180)
@@ -116,33 +116,25 @@ def test_large_all_to_all_reads_straight_from_the_peers(pool):
         np.testing.assert_array_equal(result, want)
 
 
-def _error(call):
-    try:
-        call()
-    except (TypeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def rank_bad_exchanges(comm):
     n, r = comm.size, comm.rank
     x = np.ones((2 * n, 3), np.float32)
     negative = [2] * n
     negative[(r + 1) % n] = -1
     local = [
-        _error(lambda: comm.all_to_all_v(np.array(1.0), [0] * n)),
-        _error(lambda: comm.all_to_all_v(x, [2] * (n + 1))),
-        _error(lambda: comm.all_to_all_v(x, negative)),
-        _error(lambda: comm.all_to_all_v(x, [3] * n)),
-        _error(lambda: comm.all_to_all_v(x, [2.0] * n)),
-        _error(lambda: comm.all_to_all_v(x, [True] * n)),
-        _error(lambda: comm.all_to_all_v(x, 2)),
-        _error(lambda: comm.all_to_all_v(np.array([["a"]] * n), [1] * n)),
+        error_text(lambda: comm.all_to_all_v(np.array(1.0), [0] * n)),
+        error_text(lambda: comm.all_to_all_v(x, [2] * (n + 1))),
+        error_text(lambda: comm.all_to_all_v(x, negative)),
+        error_text(lambda: comm.all_to_all_v(x, [3] * n)),
+        error_text(lambda: comm.all_to_all_v(x, [2.0] * n)),
+        error_text(lambda: comm.all_to_all_v(x, [True] * n)),
+        error_text(lambda: comm.all_to_all_v(x, 2)),
+        error_text(lambda: comm.all_to_all_v(np.array([["a"]] * n), [1] * n)),
     ]
     # ranks that disagree: every rank raises the same error, nothing is left on the wire
-    dtype_error = _error(lambda: comm.all_to_all_v(np.zeros(n, np.float64 if r else np.float32),
+    dtype_error = error_text(lambda: comm.all_to_all_v(np.zeros(n, np.float64 if r else np.float32),
                                                    [1] * n))
-    shape_error = _error(lambda: comm.all_to_all_v(np.zeros((n, 2 + (r == n - 1) * (n > 1))),
+    shape_error = error_text(lambda: comm.all_to_all_v(np.zeros((n, 2 + (r == n - 1) * (n > 1))),
                                                    [1] * n))
     after = comm.all_to_all_v(np.arange(n, dtype=np.int16) + 10 * r, [1] * n)
     return local, dtype_error, shape_error, after

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mp_harness import rank_pools
+from mp_harness import error_text, rank_pools
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -112,11 +112,7 @@ def test_moe_matches_the_one_process_model(pool, case):
 
 
 def _error(call):
-    try:
-        call()
-    except (TypeError, ValueError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+    return error_text(call, (TypeError, ValueError, RuntimeError))
 
 
 def rank_bad_layers(comm):

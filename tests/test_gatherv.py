@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mp_harness import rank_pools
+from mp_harness import error_text, rank_pools
 from reference import make_input
 
 pytestmark = pytest.mark.timeout(180)
@@ -92,36 +92,28 @@ def test_uneven_gathers_match_numpy(pool):
                     assert array is None, case_id
 
 
-def _error(call):
-    try:
-        call()
-    except (TypeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def rank_bad_gathers(comm):
     n, r = comm.size, comm.rank
     x = np.ones((2, 3), np.float32)
     negative = [2] * n
     negative[(r + 1) % n] = -1
     local = [
-        _error(lambda: comm.all_gather_v(np.float32(1.0))),
-        _error(lambda: comm.all_gather_v(np.array(1.0))),
-        _error(lambda: comm.all_gather_v(x, counts=[2] * (n + 1))),
-        _error(lambda: comm.gather_v(x, 0, counts=negative)),
-        _error(lambda: comm.all_gather_v(x, counts=[3] * n)),
-        _error(lambda: comm.all_gather_v(x, counts=[2.0] * n)),
-        _error(lambda: comm.all_gather_v(x, counts=[True] * n)),
-        _error(lambda: comm.all_gather_v(x, counts="22")),
-        _error(lambda: comm.all_gather_v(x, counts=5)),
-        _error(lambda: comm.all_gather_v(np.ones((4, 2))[:, :1])),
-        _error(lambda: comm.all_gather_v(np.array([["a"]]))),
-        _error(lambda: comm.gather_v(x, root=n)),
+        error_text(lambda: comm.all_gather_v(np.float32(1.0))),
+        error_text(lambda: comm.all_gather_v(np.array(1.0))),
+        error_text(lambda: comm.all_gather_v(x, counts=[2] * (n + 1))),
+        error_text(lambda: comm.gather_v(x, 0, counts=negative)),
+        error_text(lambda: comm.all_gather_v(x, counts=[3] * n)),
+        error_text(lambda: comm.all_gather_v(x, counts=[2.0] * n)),
+        error_text(lambda: comm.all_gather_v(x, counts=[True] * n)),
+        error_text(lambda: comm.all_gather_v(x, counts="22")),
+        error_text(lambda: comm.all_gather_v(x, counts=5)),
+        error_text(lambda: comm.all_gather_v(np.ones((4, 2))[:, :1])),
+        error_text(lambda: comm.all_gather_v(np.array([["a"]]))),
+        error_text(lambda: comm.gather_v(x, root=n)),
     ]
     # ranks that disagree: every rank raises the same error, nothing is left on the wire
-    shape_error = _error(lambda: comm.all_gather_v(np.zeros((r, 2 + (r == n - 1) * (n > 1)))))
-    dtype_error = _error(lambda: comm.gather_v(np.zeros(r, np.float32 if r else np.float64)))
+    shape_error = error_text(lambda: comm.all_gather_v(np.zeros((r, 2 + (r == n - 1) * (n > 1)))))
+    dtype_error = error_text(lambda: comm.gather_v(np.zeros(r, np.float32 if r else np.float64)))
     after = comm.all_gather_v(np.full(r, r, np.int16))
     return local, shape_error, dtype_error, after
 
