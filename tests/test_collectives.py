@@ -286,6 +286,73 @@ def test_gather_like_collectives(pool, name):
     _check(results, expected, cases)
 
 
+def rank_composites(comm, arr):
+    r = comm.rank
+    obj = comm.broadcast_object({"from": r, "cfg": [1.5, "x"]} if r == 0 else None)
+    everyone = comm.all_gather_object((r, "rank"))
+    rows, counts = comm.all_gather_v(arr.dev(np.full((r + 1, 2), r, np.int32)))
+    rooted, _ = comm.gather_v(arr.dev(np.full(r, r, np.float32)), root=0)
+    return obj, everyone, arr.host(rows), counts, None if rooted is None else arr.host(rooted)
+
+
+def test_composite_collectives_on_every_backend(pool):
+    """The object collectives and uneven gathers, built on the public collectives, run on every
+    backend (they allocate through the backend's own memory helpers)."""
+    n = pool.world_size
+    for rank, (obj, everyone, rows, counts, rooted) in enumerate(pool.run(rank_composites)):
+        assert obj == {"from": 0, "cfg": [1.5, "x"]}
+        assert everyone == [(q, "rank") for q in range(n)]
+        assert counts == [q + 1 for q in range(n)]
+        np.testing.assert_array_equal(rows, np.concatenate(
+            [np.full((q + 1, 2), q, np.int32) for q in range(n)]))
+        if rank == 0:
+            np.testing.assert_array_equal(rooted, np.concatenate(
+                [np.full(q, q, np.float32) for q in range(n)]))
+        else:
+            assert rooted is None
+
+
+def _send_matrix(case_id: int, n: int) -> np.ndarray:
+    """Rows rank s sends rank d in an all_to_all_v case: zeros, uneven, one large block."""
+    matrix = np.random.default_rng(case_id).integers(0, 6, (n, n))
+    if case_id % 3 == 0:
+        matrix[n - 1, 0] = 30_000  # one large block (padding would be n times the rest)
+    return matrix
+
+
+def rank_all_to_all_v(comm, arr, cases):
+    out = {}
+    for case_id, rest, dtype in cases:
+        matrix = _send_matrix(case_id, comm.size)
+        keep = make_input(case_id, comm.rank, (int(matrix[comm.rank].sum()),) + rest, dtype)
+        x = arr.dev(keep.copy())
+        result, recv = comm.all_to_all_v(x, [int(c) for c in matrix[comm.rank]])
+        np.testing.assert_array_equal(arr.host(x), keep)  # the input is never touched
+        out[case_id] = (arr.host(result), recv)
+    return out
+
+
+def test_all_to_all_v(pool):
+    """Uneven all-to-all: exact on NCCL (grouped sends and receives) and through shared memory
+    with single-copy reads, padded elsewhere; the same rows either way."""
+    n = pool.world_size
+    cases = [(7000 + i, rest, dtype) for i, (rest, dtype) in enumerate(
+        [((), "float32"), ((3,), "int64"), ((2, 2), "float16"), ((), "uint8"), ((5,), "float64"),
+         ((), "int32")])]
+    results = pool.run(rank_all_to_all_v, cases)
+    for rank, got in enumerate(results):
+        for case_id, rest, dtype in cases:
+            matrix = _send_matrix(case_id, n)
+            parts = []
+            for s in range(n):
+                rows = make_input(case_id, s, (int(matrix[s].sum()),) + rest, dtype)
+                start = int(matrix[s, :rank].sum())
+                parts.append(rows[start:start + int(matrix[s, rank])])
+            result, recv = got[case_id]
+            assert recv == [int(c) for c in matrix[:, rank]], case_id
+            assert_equal_result(result, np.concatenate(parts), f"rank {rank} case {case_id}")
+
+
 def rank_p2p(comm, arr, count):
     n, r = comm.size, comm.rank
     if n == 1:

@@ -178,7 +178,9 @@ class MPICommunicator(HostShortPaths, Communicator):
                 return _Direct(array, stream)
         return Staged(array, stream)
 
-    def _empty(self, shape, dtype, like, stream):
+    def _new_staged(self, shape, dtype, like, stream):
+        """A result buffer beside ``like`` (a device array the MPI library takes directly, or
+        a staged one); not ``_empty``, which the composite collectives call for host arrays."""
         if isinstance(like, _Direct):
             import cupy
 
@@ -325,7 +327,7 @@ class MPICommunicator(HostShortPaths, Communicator):
         if self._short(async_op, x, out):
             return self._host_all_gather(x, out)
         src = self._stage(x, stream)
-        dst = self._stage(out, stream) if out is not None else self._empty(
+        dst = self._stage(out, stream) if out is not None else self._new_staged(
             (self.size,) + src.host.shape, src.host.dtype, src, stream)
         return self._collective(
             "all_gather", src, dst,
@@ -335,7 +337,7 @@ class MPICommunicator(HostShortPaths, Communicator):
         if self._short(async_op, x, out):
             return self._host_reduce_scatter(x, op, out)
         src = self._stage(x, stream)
-        dst = self._stage(out, stream) if out is not None else self._empty(
+        dst = self._stage(out, stream) if out is not None else self._new_staged(
             src.host.shape[1:], src.host.dtype, src, stream)
         kind, mpi_op = reduction(op, src.host.dtype)
         return self._collective(
@@ -348,7 +350,7 @@ class MPICommunicator(HostShortPaths, Communicator):
         src = self._stage(x, stream)
         dst = None
         if self.rank == root:
-            dst = self._stage(out, stream) if out is not None else self._empty(
+            dst = self._stage(out, stream) if out is not None else self._new_staged(
                 (self.size,) + src.host.shape, src.host.dtype, src, stream)
         return self._collective(
             "gather", src, dst,
@@ -362,7 +364,7 @@ class MPICommunicator(HostShortPaths, Communicator):
             dst = self._stage(out, stream)
         else:
             chunk, dtype = template
-            dst = self._empty(chunk, dtype, src, stream)
+            dst = self._new_staged(chunk, dtype, src, stream)
         return self._collective(
             "scatter", src, dst,
             lambda: self._comm.Iscatter(byte_spec(src.host) if src is not None else None,
@@ -371,7 +373,7 @@ class MPICommunicator(HostShortPaths, Communicator):
 
     def _all_to_all(self, x, out, stream=None):
         src = self._stage(x, stream)
-        dst = self._stage(out, stream) if out is not None else self._empty(
+        dst = self._stage(out, stream) if out is not None else self._new_staged(
             src.host.shape, src.host.dtype, src, stream)
         return self._collective(
             "all_to_all", src, dst,

@@ -48,6 +48,7 @@ from ..rendezvous.store import PrefixStore, Store
 from ..rendezvous.survivors import agree_on_survivors
 from ..types import ReduceOp
 from . import nccl_runtime, signature
+from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
 from .nccl_work import CudaWork
 from .watchdog import CudaFault, Pending, Watchdog, event_status
@@ -55,7 +56,7 @@ from .watchdog import CudaFault, Pending, Watchdog, event_status
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
 
-class NCCLCommunicator(Communicator):
+class NCCLCommunicator(ExactAllToAllV, Communicator):
     """Communicator over GPU arrays, one GPU per rank, NCCL underneath.
 
     Attributes (besides the Communicator ones):
