@@ -7,9 +7,11 @@ every rank the whole count matrix (and checks that dtypes and trailing shapes ag
 rows, padded per destination to the largest count anywhere, go in one ``all_to_all`` and are
 compacted. Padding moves ``size * max`` rows per rank instead of the exact rows, which is what
 capacity-bounded routing (a fixed number of tokens per expert) sends anyway, and it keeps one
-collective that every backend has, NCCL included. A backend may move the exact rows instead
-(``_exact_all_to_all_v``: the CPU backend, when all ranks share one host's memory and can read
-each other's arrays, reads its rows straight from the senders' arrays, one copy).
+collective that every backend has. A backend may move the exact rows instead, when every rank
+says it can (``_exact_all_to_all_v_ready``, exchanged with the counts) and through
+``_exact_all_to_all_v``: NCCL as one group of sends and receives
+(:mod:`gpucoll.backends.nccl_alltoallv`); the CPU backend, when all ranks share one host's
+memory and can read each other's arrays, by reading its rows straight from the senders' arrays.
 """
 
 from __future__ import annotations
