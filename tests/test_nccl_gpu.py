@@ -307,6 +307,9 @@ def _rank_collectives(rank, size, url):
         results["scatter"] = cupy.asnumpy(comm.scatter(src, root=0, out=cupy.zeros(3)))
         a2a = cupy.asarray(np.arange(size * 2).reshape(size, 2) + 10 * rank)
         results["all_to_all"] = cupy.asnumpy(comm.all_to_all(a2a))
+        rows = cupy.arange(12, dtype=cupy.float32).reshape(4, 3) + 100 * rank  # exact sizes:
+        uneven, got = comm.all_to_all_v(rows, [1, 3] if rank == 0 else [4, 0])  # grouped p2p
+        results["all_to_all_v"] = (cupy.asnumpy(uneven), got)
         if rank == 0:
             comm.send(cupy.arange(5.0), 1)
             back = cupy.zeros(5)
@@ -344,6 +347,10 @@ def test_two_ranks_on_one_gpu():
         np.testing.assert_array_equal(results[r]["scatter"], np.arange(6.0).reshape(2, 3)[r])
         np.testing.assert_array_equal(results[r]["all_to_all"],
                                       [[2 * r + 10 * s, 2 * r + 1 + 10 * s] for s in range(2)])
+    rows = [np.arange(12, dtype=np.float32).reshape(4, 3) + 100 * r for r in range(2)]
+    np.testing.assert_array_equal(results[0]["all_to_all_v"][0], np.concatenate([rows[0][:1], rows[1]]))
+    np.testing.assert_array_equal(results[1]["all_to_all_v"][0], rows[0][1:])
+    assert results[0]["all_to_all_v"][1] == [1, 4] and results[1]["all_to_all_v"][1] == [3, 0]
     np.testing.assert_array_equal(results[0]["reduce"], np.full(4, 3.0))
     assert results[1]["reduce"] is None and results[0]["gather"] is None
     np.testing.assert_array_equal(results[1]["gather"], [[0, 0], [1, 1]])
