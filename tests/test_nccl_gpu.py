@@ -348,7 +348,8 @@ def test_two_ranks_on_one_gpu():
         np.testing.assert_array_equal(results[r]["all_to_all"],
                                       [[2 * r + 10 * s, 2 * r + 1 + 10 * s] for s in range(2)])
     rows = [np.arange(12, dtype=np.float32).reshape(4, 3) + 100 * r for r in range(2)]
-    np.testing.assert_array_equal(results[0]["all_to_all_v"][0], np.concatenate([rows[0][:1], rows[1]]))
+    np.testing.assert_array_equal(results[0]["all_to_all_v"][0],
+                                  np.concatenate([rows[0][:1], rows[1]]))
     np.testing.assert_array_equal(results[1]["all_to_all_v"][0], rows[0][1:])
     assert results[0]["all_to_all_v"][1] == [1, 4] and results[1]["all_to_all_v"][1] == [3, 0]
     np.testing.assert_array_equal(results[0]["reduce"], np.full(4, 3.0))
