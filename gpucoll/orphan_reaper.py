@@ -9,8 +9,9 @@ only stops that process. So the launcher starts this small watcher first:
 
 - it runs as ``python -I -S orphan_reaper.py LAUNCHER_PID GRACE`` (this file by path, no
   ``import gpucoll`` and no module beyond what the interpreter loads anyway, so it starts in
-  about 10 ms, and the launcher does not wait for it to start), in a session of its own, so a signal to the launcher's process group (a
-  terminal's Ctrl-C, ``kill -9 -- -PGID``) does not reach it;
+  about 10 ms, and the launcher does not wait for it to start), in a session of its own, so a
+  signal to the launcher's process group (a terminal's Ctrl-C, ``kill -9 -- -PGID``) does not
+  reach it;
 - its stdin is a pipe from the launcher, which writes one line per rank it starts
   (``rank PID START``: the rank's pid, which is also its process group and session id, and its
   start time in clock ticks, read while the launcher still holds it unreaped), ``ended PID``

@@ -1,7 +1,8 @@
 """Every kernel instantiation compiles through NVRTC exactly as the loader asks CuPy to, no GPU.
 
 The loader (``gpucoll.kernels._kernel``) hands ``cupy.RawModule`` a source, options and one name
-expression per (kernel, dtype pair, and for unpack whether it checks for non-finite values). Here the same request goes through CuPy's own compile path
+expression per (kernel, dtype pair, and for unpack whether it checks for non-finite values).
+Here the same request goes through CuPy's own compile path
 (``cupy._core.core.compile_with_cache``: CuPy's include paths, then ``-ftz=true``, the arch and
 ``--device-as-default-execution-space``) for sm_80, sm_90 and sm_100. Only two things differ from
 a run on a GPU: the arch is given instead of read from the device, and NVRTC is asked for PTX
