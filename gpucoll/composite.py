@@ -40,6 +40,16 @@ def _to_host(array: Any) -> np.ndarray:
     return array.get()  # CuPy (and CuPy-compatible device arrays)
 
 
+def _layout_signature(x: Any) -> List[int]:
+    """``[dtype code, ndim, crc of the trailing shape, trailing dims (padded to
+    _MAX_LISTED_DIMS)]``: what every rank of an uneven collective must agree on."""
+    shape = tuple(int(d) for d in x.shape)
+    trailing = shape[1:]
+    listed = list(trailing[:_MAX_LISTED_DIMS])
+    listed += [0] * (_MAX_LISTED_DIMS - len(listed))
+    return [wire_code(x.dtype), len(shape), zlib.crc32(repr(trailing).encode())] + listed
+
+
 def _describe(code: int, ndim: int, dims: Sequence[int]) -> str:
     name = next((n for n, (c, _) in DTYPES.items() if c == code), f"code {code}")
     trailing = list(dims[:ndim - 1])
@@ -213,12 +223,7 @@ class CompositeCollectives:
         Raises ``ValueError`` on every rank alike (all see the same table) when dtypes or
         trailing shapes differ, so the communicator stays usable.
         """
-        shape = tuple(int(d) for d in x.shape)
-        trailing = shape[1:]
-        listed = list(trailing[:_MAX_LISTED_DIMS])
-        listed += [0] * (_MAX_LISTED_DIMS - len(listed))
-        digest = zlib.crc32(repr(trailing).encode())
-        mine = [rows, wire_code(x.dtype), len(shape), digest] + listed
+        mine = [rows] + _layout_signature(x)
         table = _to_host(self.all_gather(self._from_host(np.array(mine, dtype=np.int64))))
         signatures = {tuple(int(v) for v in row[1:]) for row in table}
         if len(signatures) > 1:

@@ -16,21 +16,13 @@ memory and can read each other's arrays, by reading its rows straight from the s
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
-from .composite import _describe
-from .types import wire_code
+from .composite import _describe, _layout_signature, _to_host
 
 __all__ = ["UnevenAllToAll"]
-
-_LISTED_DIMS = 8  # trailing dimensions written out in the layout exchange
-
-
-def _to_host(array: Any) -> np.ndarray:
-    return array if isinstance(array, np.ndarray) else array.get()
 
 
 class UnevenAllToAll:
@@ -74,7 +66,7 @@ class UnevenAllToAll:
                              "counted along the first axis), got a 0-d array")
         send = self._check_send_counts(send_counts, shape[0])
         ready = getattr(self, "_exact_all_to_all_v_ready", None)
-        matrix, exact = self._count_matrix(view, shape, send, bool(ready and ready(view)))
+        matrix, exact = self._count_matrix(view, send, bool(ready and ready(view)))
         recv = [int(c) for c in matrix[:, self.rank]]
         longest = int(matrix.max())
         result = self._exact_all_to_all_v(view, matrix) if exact and longest else None
@@ -92,14 +84,10 @@ class UnevenAllToAll:
                              f"rows (x.shape[0])")
         return checked
 
-    def _count_matrix(self, view: Any, shape: Tuple[int, ...], send: List[int],
-                      ready: bool) -> Tuple[np.ndarray, bool]:
+    def _count_matrix(self, view: Any, send: List[int], ready: bool) -> Tuple[np.ndarray, bool]:
         """``(matrix, exact)``: ``matrix[s, d]`` rows rank s sends to rank d (one all_gather,
         layouts checked); ``exact``: every rank is ready for the backend's exact exchange."""
-        trailing = shape[1:]
-        listed = list(trailing[:_LISTED_DIMS]) + [0] * max(0, _LISTED_DIMS - len(trailing))
-        signature = [wire_code(view.dtype), len(shape), zlib.crc32(repr(trailing).encode())]
-        mine = np.array([int(ready)] + send + signature + listed, dtype=np.int64)
+        mine = np.array([int(ready)] + send + _layout_signature(view), dtype=np.int64)
         table = _to_host(self.all_gather(self._from_host(mine)))
         exact, table = bool(table[:, 0].all()), table[:, 1:]
         n = self.size
