@@ -217,6 +217,54 @@ def test_header_mismatch_timeout_and_closed_peer():
         t1.close()
 
 
+def test_a_close_between_two_polls_ends_the_wait_at_once(monkeypatch):
+    """abort() on another thread may close the sockets while a wait is between two polls:
+    the next poll then reports the stale descriptor (POLLNVAL), which must end the wait as a
+    closed transport, not spin until the deadline."""
+    import select as real_select
+    import types
+
+    from gpucoll.transports import socket as socket_module
+
+    transports, errors = _mesh(2)
+    assert errors == [None, None]
+    t0, t1 = transports
+
+    class ClosingPoller:
+        """The real poller, except that t1 is closed just before its first wait."""
+
+        def __init__(self):
+            self.inner, self.calls = real_select.poll(), 0
+
+        def register(self, *args):
+            self.inner.register(*args)
+
+        def modify(self, *args):
+            self.inner.modify(*args)
+
+        def unregister(self, fd):
+            self.inner.unregister(fd)
+
+        def poll(self, timeout_ms):
+            self.calls += 1
+            if self.calls == 1:
+                t1.close()
+            return self.inner.poll(timeout_ms)
+
+    fake = types.SimpleNamespace(**{name: getattr(real_select, name) for name in dir(real_select)
+                                    if not name.startswith("_")})
+    fake.poll = ClosingPoller
+    monkeypatch.setattr(socket_module, "select", fake)
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerError, match=r"rank 1: transport closed during all_reduce #3"):
+            t1.recv(0, memoryview(bytearray(8)), Frame("all_reduce", 3), start + 3.0)
+        assert time.monotonic() - start < 2.0   # not at the deadline
+    finally:
+        t0.close()
+        t1.close()
+
+
 def test_missing_rank_named_at_connect():
     server = TCPStoreServer("127.0.0.1", 0, token=TOKEN)
     store = TCPStore("127.0.0.1", server.port, token=TOKEN, timeout=5)

@@ -395,6 +395,8 @@ class SocketTransport(Transport):
                 self._raise_timeout(by_fd, frame)
             events = poller.poll(remaining * 1000.0)
             for fd, event in events:
+                if event & select.POLLNVAL:  # closed (abort on another thread) since registered
+                    raise OSError(errno.EBADF, "socket closed while waiting on it")
                 pair = by_fd[fd]
                 s, r = pair
                 if r is not None and event & _POLLIN:
