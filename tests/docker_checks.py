@@ -375,6 +375,25 @@ def problems_copy_sources(instructions: Sequence[Instruction]) -> List[str]:
     return problems
 
 
+def problems_wheel_inputs(instructions: Sequence[Instruction], project: dict) -> List[str]:
+    """An image that copies only part of the repository before ``pip install`` still copies
+    every file pyproject.toml names for the build (its readme and license files)."""
+    sources = []
+    for inst in instructions:
+        words = instruction_words(inst.value)
+        if inst.keyword in ("COPY", "ADD") and not any(w.startswith("--from") for w in words):
+            sources += [w.strip("/").removeprefix("./")
+                        for w in words if not w.startswith("--")][:-1]
+    if any(source in ("", ".") for source in sources):
+        return []  # the whole context
+    wanted = [project["readme"]] if isinstance(project.get("readme"), str) else []
+    for pattern in project.get("license-files", []):
+        wanted += [str(path.relative_to(ROOT)) for path in sorted(ROOT.glob(pattern))]
+    return [f"{name} (named in pyproject.toml) is not copied before the wheel build"
+            for name in wanted
+            if not any(name == s or name.startswith(s + "/") for s in sources)]
+
+
 def problems_cpu_cmd(instructions: Sequence[Instruction], readme: str) -> List[str]:
     install, test = readme_test_command(readme)
     problems = []

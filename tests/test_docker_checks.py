@@ -12,7 +12,8 @@ import pytest
 from docker_checks import (ROOT, Instruction, docker_commands, load_compose, needs_yaml,
                            parse_dockerfile, problems_commands, problems_compose,
                            problems_copy_sources, problems_cpu_cmd, problems_cuda_base,
-                           problems_extras, problems_non_root, problems_python_base)
+                           problems_extras, problems_non_root, problems_python_base,
+                           problems_wheel_inputs)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,16 @@ def test_command_check_catches_a_missing_console_script():
 def test_copy_check_catches_missing_and_ignored_paths():
     assert problems_copy_sources(_broken("README.md", "NO_SUCH_FILE.md"))
     assert problems_copy_sources(_broken("README.md", "build"))
+
+
+def test_wheel_inputs_check_catches_a_license_left_behind():
+    project = {"readme": "README.md", "license-files": ["LICENSE"]}
+    copied_all = _broken("README.md", "README.md LICENSE")
+    assert problems_wheel_inputs(copied_all, project) == []
+    assert problems_wheel_inputs(_broken("README.md", "LICENSE"), project) == [
+        "README.md (named in pyproject.toml) is not copied before the wheel build"]
+    assert problems_wheel_inputs(_broken("README.md", "README.md"), project) == [
+        "LICENSE (named in pyproject.toml) is not copied before the wheel build"]
 
 
 def test_extras_check_catches_an_unknown_extra():

@@ -17,6 +17,7 @@ from docker_checks import (COMPOSE_FILE, CPU_DOCKERFILE, CUDA_DOCKERFILE, DOCKER
                            parse_dockerfile, problems_commands, problems_compose,
                            problems_copy_sources, problems_cpu_cmd, problems_cuda_base,
                            problems_extras, problems_non_root, problems_python_base,
+                           problems_wheel_inputs,
                            shell_lines, split_words, substitute)
 
 
@@ -75,6 +76,13 @@ def test_cuda_image_runs_the_main_job(cuda_instructions):
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_copied_paths_exist_and_reach_the_build_context(path):
     assert problems_copy_sources(parse_dockerfile(path.read_text(encoding="utf-8"))) == []
+
+
+@needs_toml
+def test_cuda_image_copies_what_the_wheel_build_reads(cuda_instructions):
+    project = load_pyproject()["project"]
+    assert project.get("license-files") and project.get("readme")   # both really checked
+    assert problems_wheel_inputs(cuda_instructions, project) == []
 
 
 def test_cpu_image_runs_the_readme_test_command(cpu_instructions, readme):
