@@ -7,9 +7,11 @@ Each rank routes ``--tokens`` float32 rows of ``--features`` to the ranks by a m
 ``uniform`` (every rank equally likely) or ``skewed`` (rank 0 takes 70 %, like a popular expert).
 Both libraries move the same rows; every result is checked against the rows the senders meant
 for this rank before timing. Times are best-of-``repeat`` per rank, the slowest rank's counting
-(a collective ends when its last rank does); the two take turns round by round. gpucoll's
-time includes its count exchange (one small all_gather); Gloo is given both split lists, which
-a caller would first have to exchange itself. Needs torch (CPU build) for the Gloo column.
+(a collective ends when its last rank does); they take turns round by round. gpucoll is timed
+twice: with ``send_counts`` only (its time includes the count exchange, one small all_gather)
+and with the whole count matrix known (``counts=``, nothing exchanged first: like Gloo, which is
+given both split lists, which a caller would first have to exchange itself). Needs torch (CPU
+build) for the Gloo column.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ def main() -> None:
     if r == 0:
         print(f"# all_to_all_v, CPU backend ({os.environ.get('GPUCOLL_TRANSPORT', 'auto')}), {n} "
               f"ranks, float32 rows of {args.features}, best of {args.repeat}, slowest rank")
-        print(f"# {'tokens':>7} {'pattern':>8} {'MiB/rank':>9} {'gpucoll us':>11} {'gloo us':>10} "
-              f"{'gloo/gpucoll':>13}")
+        print(f"# {'tokens':>7} {'pattern':>8} {'MiB/rank':>9} {'gpucoll us':>11} {'known us':>9} "
+              f"{'gloo us':>8} {'gloo/gpucoll':>13} {'gloo/known':>11}")
     for seed, tokens in enumerate(int(t) for t in args.tokens.split(",")):
         for pattern in ("uniform", "skewed"):
             sends = [routing(pattern, tokens, n, s, seed) for s in range(n)]
@@ -75,9 +77,12 @@ def main() -> None:
             expected = np.concatenate([rows_for(s, sends[s], args.features, seed)[
                 int(sends[s][:r].sum()):int(sends[s][:r + 1].sum())] for s in range(n)])
             recv = [int(sends[s][r]) for s in range(n)]
+            matrix = np.array(sends)
             ours = lambda: comm.all_to_all_v(x, [int(c) for c in sends[r]])[0]  # noqa: E731
+            known = lambda: comm.all_to_all_v(x, counts=matrix)[0]  # noqa: E731
             assert np.array_equal(ours(), expected), "all_to_all_v: wrong result"
-            times = {"gpucoll": [], "gloo": []}
+            assert np.array_equal(known(), expected), "all_to_all_v(counts=): wrong result"
+            times = {"gpucoll": [], "known": [], "gloo": []}
             if torch is not None:
                 tx = torch.from_numpy(x)
                 tout = torch.empty((sum(recv), args.features), dtype=torch.float32)
@@ -89,7 +94,8 @@ def main() -> None:
 
                 assert np.array_equal(theirs(), expected), "Gloo all_to_all_single: wrong result"
             for round_ in range(args.repeat):
-                order = [("gpucoll", ours)] + ([("gloo", theirs)] if torch is not None else [])
+                order = [("gpucoll", ours), ("known", known)] + \
+                    ([("gloo", theirs)] if torch is not None else [])
                 for name, fn in (order if round_ % 2 == 0 else order[::-1]):
                     comm.barrier()
                     start = time.perf_counter()
@@ -100,8 +106,10 @@ def main() -> None:
                 gloo = best.get("gloo")
                 mib = x.nbytes / (1 << 20)
                 print(f"  {tokens:>7} {pattern:>8} {mib:9.2f} {best['gpucoll'] * 1e6:11.0f} "
-                      + (f"{gloo * 1e6:10.0f} {gloo / best['gpucoll']:13.2f}" if gloo else
-                         f"{'-':>10} {'-':>13}"))
+                      f"{best['known'] * 1e6:9.0f} "
+                      + (f"{gloo * 1e6:8.0f} {gloo / best['gpucoll']:13.2f} "
+                         f"{gloo / best['known']:11.2f}" if gloo else
+                         f"{'-':>8} {'-':>13} {'-':>11}"))
     if torch is not None:
         dist.destroy_process_group()
     comm.close()

@@ -16,13 +16,21 @@ memory and can read each other's arrays, by reading its rows straight from the s
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+import zlib
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .composite import _describe, _layout_signature, _to_host
 
 __all__ = ["UnevenAllToAll"]
+
+
+def _host_rows(counts: Any) -> List[Any]:
+    """The rows of a count matrix, from the host (a CuPy matrix is copied over once)."""
+    if not isinstance(counts, np.ndarray) and hasattr(counts, "__cuda_array_interface__"):
+        counts = counts.get()
+    return [counts[index] for index in range(len(counts))]
 
 
 class UnevenAllToAll:
@@ -33,13 +41,23 @@ class UnevenAllToAll:
     rank: int
     size: int
 
-    def all_to_all_v(self, x: Any, send_counts: Sequence[int]) -> Tuple[Any, List[int]]:
+    def all_to_all_v(self, x: Any, send_counts: Optional[Sequence[int]] = None, *,
+                     counts: Any = None) -> Tuple[Any, List[int]]:
         """Send ``send_counts[r]`` rows of ``x`` to rank r; receive every rank's rows for this one.
 
         Args:
             x: shape ``(sum(send_counts), *rest)``: the rows for rank 0 first, then those for
                 rank 1, and so on. ``rest`` and the dtype must be the same on every rank.
-            send_counts: rows for each rank (``size`` ints, each >= 0; zeros allowed).
+            send_counts: rows for each rank (``size`` ints, each >= 0; zeros allowed). May be
+                left out when ``counts`` is given (it is then ``counts[rank]``).
+            counts: the whole count matrix, the same on every rank: ``counts[s][d]`` rows go
+                from rank s to rank d (``size`` x ``size`` ints; NumPy array or nested lists).
+                Given, nothing is exchanged first, which saves one small ``all_gather`` per
+                call where the counts are already known (e.g. sending the rows back with
+                ``counts.T``). Every rank must pass the same matrix and the same kind of array
+                (all NumPy or all CuPy); dtype and ``rest`` are not compared beforehand (a
+                mismatch still fails the exchange itself). With ``GPUCOLL_DEBUG=1`` the
+                exchange runs anyway and checks that every rank passed the same matrix.
 
         Returns:
             ``(result, recv_counts)``: ``result`` has shape ``(sum(recv_counts), *rest)``,
@@ -48,9 +66,10 @@ class UnevenAllToAll:
 
         Raises:
             TypeError, ValueError: ``send_counts`` is not ``size`` non-negative ints summing to
-                ``x.shape[0]`` (before anything is sent); ranks' dtypes or trailing shapes
-                differ (on every rank alike, after the count exchange; the communicator stays
-                usable).
+                ``x.shape[0]``, or ``counts`` is not a ``size`` x ``size`` matrix of them whose
+                row ``rank`` is ``send_counts`` (before anything is sent); ranks' dtypes or
+                trailing shapes differ, or (``GPUCOLL_DEBUG=1``) their ``counts`` (on every
+                rank alike, after the count exchange; the communicator stays usable).
 
         Example (two ranks)::
 
@@ -64,9 +83,20 @@ class UnevenAllToAll:
         if not shape:
             raise ValueError("all_to_all_v: x must have at least one dimension (rows are "
                              "counted along the first axis), got a 0-d array")
-        send = self._check_send_counts(send_counts, shape[0])
         ready = getattr(self, "_exact_all_to_all_v_ready", None)
-        matrix, exact = self._count_matrix(view, send, bool(ready and ready(view)))
+        if counts is None:
+            if send_counts is None:
+                raise TypeError("all_to_all_v: give send_counts (or counts, the whole count "
+                                "matrix)")
+            send = self._check_send_counts(send_counts, shape[0])
+            matrix, exact = self._count_matrix(view, send, bool(ready and ready(view)))
+        else:
+            matrix = self._check_count_matrix(counts, send_counts, shape[0])
+            send = [int(c) for c in matrix[self.rank]]
+            if getattr(self, "_debug", False):
+                _, exact = self._count_matrix(view, send, bool(ready and ready(view)), matrix)
+            else:
+                exact = bool(ready and ready(view))
         recv = [int(c) for c in matrix[:, self.rank]]
         longest = int(matrix.max())
         result = self._exact_all_to_all_v(view, matrix) if exact and longest else None
@@ -84,11 +114,43 @@ class UnevenAllToAll:
                              f"rows (x.shape[0])")
         return checked
 
-    def _count_matrix(self, view: Any, send: List[int], ready: bool) -> Tuple[np.ndarray, bool]:
+    def _check_count_matrix(self, counts: Any, send_counts: Any, rows: int) -> np.ndarray:
+        """``counts`` as a checked ``(size, size)`` int64 matrix (``send_counts``, when also
+        given, must be its row ``rank``)."""
+        if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
+            raise TypeError(f"all_to_all_v: counts must be a {self.size} x {self.size} matrix of "
+                            f"ints, got {type(counts).__name__}")
+        if len(counts) != self.size:
+            raise ValueError(f"all_to_all_v: counts has {len(counts)} rows, expected one per "
+                             f"rank ({self.size})")
+        matrix = np.array([self._count_list(row, "all_to_all_v", f"counts[{sender}]")
+                           for sender, row in enumerate(_host_rows(counts))], dtype=np.int64)
+        mine = [int(c) for c in matrix[self.rank]]
+        if send_counts is not None and self._count_list(send_counts, "all_to_all_v",
+                                                        "send_counts") != mine:
+            raise ValueError(f"all_to_all_v: send_counts {list(send_counts)} is not counts"
+                             f"[{self.rank}] {mine}")
+        if sum(mine) != rows:
+            raise ValueError(f"all_to_all_v: counts[{self.rank}] sums to {sum(mine)} but x has "
+                             f"{rows} rows (x.shape[0])")
+        return matrix
+
+    def _count_matrix(self, view: Any, send: List[int], ready: bool,
+                      given: Optional[np.ndarray] = None) -> Tuple[np.ndarray, bool]:
         """``(matrix, exact)``: ``matrix[s, d]`` rows rank s sends to rank d (one all_gather,
-        layouts checked); ``exact``: every rank is ready for the backend's exact exchange."""
-        mine = np.array([int(ready)] + send + _layout_signature(view), dtype=np.int64)
+        layouts checked, and with ``given``, that every rank was given the same matrix);
+        ``exact``: every rank is ready for the backend's exact exchange."""
+        checksum = [] if given is None else [zlib.crc32(np.ascontiguousarray(given).tobytes())]
+        mine = np.array(checksum + [int(ready)] + send + _layout_signature(view), dtype=np.int64)
         table = _to_host(self.all_gather(self._from_host(mine)))
+        if given is not None:
+            if len(set(table[:, 0].tolist())) > 1:
+                groups: dict = {}
+                for rank, value in enumerate(table[:, 0].tolist()):
+                    groups.setdefault(value, []).append(rank)
+                raise ValueError(f"all_to_all_v: ranks passed different count matrices (the same "
+                                 f"within each of the groups {sorted(groups.values())})")
+            table = table[:, 1:]
         exact, table = bool(table[:, 0].all()), table[:, 1:]
         n = self.size
         if len({tuple(int(v) for v in row[n:]) for row in table}) > 1:

@@ -327,7 +327,10 @@ def rank_all_to_all_v(comm, arr, cases):
         keep = make_input(case_id, comm.rank, (int(matrix[comm.rank].sum()),) + rest, dtype)
         x = arr.dev(keep.copy())
         result, recv = comm.all_to_all_v(x, [int(c) for c in matrix[comm.rank]])
+        known, known_recv = comm.all_to_all_v(x, counts=matrix)  # nothing exchanged first
         np.testing.assert_array_equal(arr.host(x), keep)  # the input is never touched
+        assert known_recv == recv
+        np.testing.assert_array_equal(arr.host(known), arr.host(result))
         out[case_id] = (arr.host(result), recv)
     return out
 

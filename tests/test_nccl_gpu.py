@@ -310,6 +310,8 @@ def _rank_collectives(rank, size, url):
         rows = cupy.arange(12, dtype=cupy.float32).reshape(4, 3) + 100 * rank  # exact sizes:
         uneven, got = comm.all_to_all_v(rows, [1, 3] if rank == 0 else [4, 0])  # grouped p2p
         results["all_to_all_v"] = (cupy.asnumpy(uneven), got)
+        known, known_got = comm.all_to_all_v(rows, counts=[[1, 3], [4, 0]])  # no count exchange
+        results["all_to_all_v known"] = (cupy.asnumpy(known), known_got)
         if rank == 0:
             comm.send(cupy.arange(5.0), 1)
             back = cupy.zeros(5)
@@ -352,6 +354,10 @@ def test_two_ranks_on_one_gpu():
                                   np.concatenate([rows[0][:1], rows[1]]))
     np.testing.assert_array_equal(results[1]["all_to_all_v"][0], rows[0][1:])
     assert results[0]["all_to_all_v"][1] == [1, 4] and results[1]["all_to_all_v"][1] == [3, 0]
+    for r in range(2):
+        np.testing.assert_array_equal(results[r]["all_to_all_v known"][0],
+                                      results[r]["all_to_all_v"][0])
+        assert results[r]["all_to_all_v known"][1] == results[r]["all_to_all_v"][1]
     np.testing.assert_array_equal(results[0]["reduce"], np.full(4, 3.0))
     assert results[1]["reduce"] is None and results[0]["gather"] is None
     np.testing.assert_array_equal(results[1]["gather"], [[0, 0], [1, 1]])

@@ -5,14 +5,16 @@ Each rank holds ``experts_per_rank`` experts (rank r: global experts ``r * k`` t
 
 1. gate: ``probs = softmax(x @ gate)``; each token goes to its most probable expert (top-1) and
    its output is scaled by that probability (so the gate learns through it);
-2. dispatch: tokens sorted by the rank of their expert go there in one ``all_to_all_v`` (with
-   their expert numbers in a second, small one);
+2. dispatch: one small ``all_gather`` gives every rank how many tokens each rank sends each
+   expert; tokens sorted by expert (and so by the rank holding it) then go there in one
+   ``all_to_all_v`` with that count matrix known (``counts=``), and each rank tells from the
+   same table which of its experts each received token is for;
 3. each rank runs its experts (``relu(x @ w1) @ w2``) on the tokens it received;
-4. combine: the outputs go back in one ``all_to_all_v`` with the counts reversed, and are put
-   back in token order.
+4. combine: the outputs go back in one ``all_to_all_v`` with the count matrix transposed, and
+   are put back in token order.
 
-Backward runs the same exchanges the other way: output gradients to the experts, input
-gradients back. Gradients are those of the sum of every rank's loss: an expert's are complete on
+Backward runs the same two exchanges, with the same matrix, so a step exchanges counts once:
+output gradients to the experts, input gradients back. Gradients are those of the sum of every rank's loss: an expert's are complete on
 its rank (every token routed to it came there), the gate's are summed over the ranks with one
 ``all_reduce``. No token is dropped (no capacity limit) and there is no load-balancing loss: the
 layer is the exchange pattern, written plainly.
@@ -31,9 +33,8 @@ from ..hostarrays import array_module as _array_module
 __all__ = ["MoELayer", "init_experts"]
 
 
-def _host_ints(values: Any) -> List[int]:
-    host = values if isinstance(values, np.ndarray) else values.get()
-    return [int(v) for v in host]
+def _host_array(values: Any) -> np.ndarray:
+    return values if isinstance(values, np.ndarray) else values.get()
 
 
 def init_experts(num_experts: int, features: int, hidden: int, *, seed: int = 0, xp: Any = np,
@@ -112,6 +113,18 @@ class MoELayer:
         return [int(mask.sum()) for mask in self._saved["masks"]]
 
     # ------------------------------------------------------------------ forward
+    def _route(self, per_expert: Any) -> Tuple[np.ndarray, Any]:
+        """``(matrix, local)`` from this rank's token count per expert: ``matrix[s, d]``
+        tokens rank s sends rank d (every rank's counts, one all_gather), and for each token
+        this rank will receive (senders in rank order, each sorted by expert) the index of its
+        expert among this rank's."""
+        k, me = self.per_rank, self.comm.rank
+        table = _host_array(self.comm.all_gather(per_expert)).astype(np.int64)  # (ranks, experts)
+        matrix = table.reshape(self.comm.size, self.comm.size, k).sum(axis=2)
+        mine = table[:, me * k:(me + 1) * k]  # (senders, my experts)
+        local = np.repeat(np.tile(np.arange(k, dtype=np.int64), self.comm.size), mine.reshape(-1))
+        return matrix, self.xp.asarray(local)
+
     def forward(self, x: Any) -> Any:
         """This rank's tokens ``x`` (T, features) through the layer: ``(T, features)``."""
         xp = self.xp
@@ -125,11 +138,9 @@ class MoELayer:
         choice = probs.argmax(axis=1)
         rows = xp.arange(x.shape[0])
         weight = probs[rows, choice]
-        owner = choice // self.per_rank
-        order = xp.argsort(owner, kind="stable")
-        send = _host_ints(xp.bincount(owner, minlength=self.comm.size))
-        tokens, recv = self.comm.all_to_all_v(x[order], send)
-        local, _ = self.comm.all_to_all_v((choice[order] % self.per_rank).astype(xp.int64), send)
+        order = xp.argsort(choice, kind="stable")  # by expert, and so by the rank holding it
+        matrix, local = self._route(xp.bincount(choice, minlength=self.gate.shape[1]))
+        tokens, _ = self.comm.all_to_all_v(x[order], counts=matrix)
         masks, hidden = [], []
         out = xp.empty_like(tokens)
         for index, (w1, w2) in enumerate(self.experts):
@@ -139,11 +150,11 @@ class MoELayer:
             out[mask] = h @ w2
             masks.append(mask)
             hidden.append((pre, h))
-        back, _ = self.comm.all_to_all_v(out, recv)
+        back, _ = self.comm.all_to_all_v(out, counts=matrix.T)
         expert_out = xp.empty_like(back)
         expert_out[order] = back
-        self._saved = dict(x=x, probs=probs, choice=choice, weight=weight, order=order, send=send,
-                           recv=recv, tokens=tokens, masks=masks, hidden=hidden,
+        self._saved = dict(x=x, probs=probs, choice=choice, weight=weight, order=order,
+                           matrix=matrix, tokens=tokens, masks=masks, hidden=hidden,
                            expert_out=expert_out)
         return weight[:, None] * expert_out
 
@@ -158,7 +169,7 @@ class MoELayer:
                              f"expected {tuple(s['x'].shape)} (the forward's x)")
         grad_weight = (grad_output * s["expert_out"]).sum(axis=1)
         grad_expert_out = s["weight"][:, None] * grad_output
-        grad_out, _ = self.comm.all_to_all_v(grad_expert_out[s["order"]], s["send"])
+        grad_out, _ = self.comm.all_to_all_v(grad_expert_out[s["order"]], counts=s["matrix"])
         grad_tokens = xp.zeros_like(s["tokens"])
         self.expert_grads = []
         for (w1, w2), mask, (pre, h) in zip(self.experts, s["masks"], s["hidden"]):
@@ -166,7 +177,7 @@ class MoELayer:
             grad_h = (g @ w2.T) * (pre > 0)
             self.expert_grads.append((s["tokens"][mask].T @ grad_h, h.T @ g))
             grad_tokens[mask] = grad_h @ w1.T
-        back, _ = self.comm.all_to_all_v(grad_tokens, s["recv"])
+        back, _ = self.comm.all_to_all_v(grad_tokens, counts=s["matrix"].T)
         grad_x = xp.empty_like(back)
         grad_x[s["order"]] = back
         # softmax backward: only the chosen probability has a gradient
