@@ -112,3 +112,15 @@ def test_readme_example_runs_as_written(example: Example, tmp_path: Path):
     printed = output.splitlines()
     for line in example.shown:
         assert line in printed, f"the README shows {line!r}; the run printed:\n{output}"
+
+
+_MARKDOWN = [README, *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "docker").glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", _MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_markdown_code_fences_are_closed(path: Path):
+    """An unclosed ``` turns the rest of a page into one code block."""
+    fences = [number for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+              if line.lstrip().startswith("```")]
+    assert len(fences) % 2 == 0, (f"{path.name}: {len(fences)} fence lines, an odd number: a "
+                                  f"block is never closed (fences on lines {fences})")
