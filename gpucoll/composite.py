@@ -233,15 +233,21 @@ class CompositeCollectives:
                              f"shape ({'; '.join(parts)}); only the first axis may differ")
         return [int(row[0]) for row in table]
 
+    def _one_per_rank(self, value: Any, name: str, label: str, kind: str,
+                      items: str = "entries") -> None:
+        """``TypeError`` unless ``value`` is a sequence (``kind`` says of what), ``ValueError``
+        unless it has one of its ``items`` per rank."""
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            raise TypeError(f"{name}: {label} must be {kind}, got {type(value).__name__}")
+        if len(value) != self.size:
+            shown = f": {list(value)}" if items == "entries" else ""
+            raise ValueError(f"{name}: {label} has {len(value)} {items}, expected one per rank "
+                             f"({self.size}){shown}")
+
     def _count_list(self, counts: Any, name: str, label: str = "counts") -> List[int]:
         """``counts`` as ``size`` non-negative ints (``TypeError`` / ``ValueError`` naming
         ``label`` otherwise)."""
-        if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
-            raise TypeError(f"{name}: {label} must be a sequence of {self.size} ints, got "
-                            f"{type(counts).__name__}")
-        if len(counts) != self.size:
-            raise ValueError(f"{name}: {label} has {len(counts)} entries, expected one per rank "
-                             f"({self.size}): {list(counts)}")
+        self._one_per_rank(counts, name, label, f"a sequence of {self.size} ints")
         checked = []
         for index, count in enumerate(counts):
             if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)):

@@ -36,7 +36,7 @@ def _host_rows(counts: Any) -> List[Any]:
 class UnevenAllToAll:
     """Mixin of :class:`gpucoll.Communicator`: :meth:`all_to_all_v`. Uses the helpers of
     :class:`gpucoll.composite.CompositeCollectives` (``_empty_as``, ``_from_host``,
-    ``_concatenate``, ``_count_list``)."""
+    ``_concatenate``, ``_count_list``, ``_one_per_rank``)."""
 
     rank: int
     size: int
@@ -117,12 +117,8 @@ class UnevenAllToAll:
     def _check_count_matrix(self, counts: Any, send_counts: Any, rows: int) -> np.ndarray:
         """``counts`` as a checked ``(size, size)`` int64 matrix (``send_counts``, when also
         given, must be its row ``rank``)."""
-        if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
-            raise TypeError(f"all_to_all_v: counts must be a {self.size} x {self.size} matrix of "
-                            f"ints, got {type(counts).__name__}")
-        if len(counts) != self.size:
-            raise ValueError(f"all_to_all_v: counts has {len(counts)} rows, expected one per "
-                             f"rank ({self.size})")
+        self._one_per_rank(counts, "all_to_all_v", "counts",
+                           f"a {self.size} x {self.size} matrix of ints", items="rows")
         matrix = np.array([self._count_list(row, "all_to_all_v", f"counts[{sender}]")
                            for sender, row in enumerate(_host_rows(counts))], dtype=np.int64)
         mine = [int(c) for c in matrix[self.rank]]
