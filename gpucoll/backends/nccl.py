@@ -91,6 +91,10 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
         self._splits = 0
         self._shrinks = 0
         self._lock = threading.Lock()
+        # held around the watchdog's asynchronous-error query and around abort / destroy:
+        # ncclCommAbort and ncclCommDestroy free the communicator that a concurrent
+        # ncclCommGetAsyncError on the watchdog thread would still read (CuPy does not lock)
+        self._teardown = threading.Lock()
         self._publisher: Optional[threading.Thread] = None
         if _local is None:
             _local = self._local_rank()
@@ -191,10 +195,11 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
             if kind == "timeout":
                 message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
             self._failure = (error_type, message)
-        try:
-            self.nccl_comm.abort()
-        except Exception:
-            pass
+        with self._teardown:
+            try:
+                self.nccl_comm.abort()
+            except Exception:
+                pass
         # the store may be unreachable now (its host lost): a short budget, never a timeout
         best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
 
@@ -260,8 +265,9 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
         self._publisher.start()
 
     def _check_async_error(self) -> None:
-        if self._failure is None and not self._closed:
-            self.nccl_comm.check_async_error()
+        with self._teardown:  # never while abort() or destroy() frees the communicator
+            if self._failure is None and not self._closed:
+                self.nccl_comm.check_async_error()
 
     # ------------------------------------------------------------------ enqueueing
     def _new_event(self) -> Any:
@@ -584,11 +590,12 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
         finally:
             self._closed = True
             self._watchdog.stop()
-            if self._failure is None:
-                try:
-                    self.nccl_comm.destroy()
-                except Exception:
-                    pass
+            with self._teardown:  # the watchdog may outlive stop()'s join
+                if self._failure is None:
+                    try:
+                        self.nccl_comm.destroy()
+                    except Exception:
+                        pass
             self._release_store()
 
     def __repr__(self) -> str:

@@ -46,6 +46,9 @@ class Emulation:
         self.calls: collections.Counter = collections.Counter()
         self.history: List[Tuple[Any, str, dict]] = []  # (nccl comm, call, arguments)
         self.errors: List[BaseException] = []
+        # seconds check_async_error() takes (a test widens the window in which abort() or
+        # destroy() on another thread would free the communicator under it)
+        self.query_delay = 0.0
         self.cupy, self.nccl = self._build_modules()
 
     # -------------------------------------------------------------- modules
