@@ -590,12 +590,13 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
         finally:
             self._closed = True
             self._watchdog.stop()
-            with self._teardown:  # the watchdog may outlive stop()'s join
-                if self._failure is None:
-                    try:
-                        self.nccl_comm.destroy()
-                    except Exception:
-                        pass
+            if self._failure is None:  # after a failure the lock may be held by an abort
+                with self._teardown:  # that hangs in NCCL: never wait for it here
+                    if self._failure is None:  # the watchdog may outlive stop()'s join
+                        try:
+                            self.nccl_comm.destroy()
+                        except Exception:
+                            pass
             self._release_store()
 
     def __repr__(self) -> str:
