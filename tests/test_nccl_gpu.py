@@ -254,13 +254,18 @@ def test_watchdog_aborts_a_stalled_operation(tmp_path):
     x = cupy.ones(16, dtype=cupy.float32)
     stream.synchronize()
     _spin(stream, 4.0)  # the all_reduce below cannot complete for 4 s
-    comm.all_reduce(x, stream=stream)
+    work = comm.all_reduce(x, stream=stream, async_op=True)
     time.sleep(2.5)  # the 1 s deadline passes; the watchdog aborts the communicator
     with pytest.raises(CommTimeoutError, match=r"all_reduce #1 did not complete on GPU 0 within 1 s"):
         comm.all_reduce(x)
     with pytest.raises(CommTimeoutError):
         comm.barrier()
     stream.synchronize()  # the spin ends; nothing hangs
+    # the aborted kernel exited, so the operation's event completed: the Work still fails
+    assert work._event.done
+    assert isinstance(work.exception(), CommTimeoutError)
+    with pytest.raises(CommTimeoutError, match="all_reduce #1 did not complete"):
+        work.wait()
     comm.close()
     with pytest.raises(CommAbortedError):
         comm.all_reduce(x)

@@ -85,6 +85,9 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
         self._token, self._debug = token, debug
         self._watchdog_interval = watchdog_interval
         self._failure: Optional[Tuple[type, str]] = None
+        # events of the operations not complete when the communicator failed: NCCL's abort
+        # makes their kernels exit, so the events complete, but the results are not valid
+        self._unfinished: List[Any] = []
         self._closed = False
         self._seq = 0
         self._p2p_seq = 0
@@ -194,6 +197,7 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
             error_type = CommTimeoutError if kind == "timeout" else CommAbortedError
             if kind == "timeout":
                 message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
+            self._unfinished = self._unfinished_events()  # before the abort ends them
             self._failure = (error_type, message)
         with self._teardown:
             try:
@@ -202,6 +206,26 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
                 pass
         # the store may be unreachable now (its host lost): a short budget, never a timeout
         best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
+
+    def _unfinished_events(self) -> List[Any]:
+        """Events of the tracked operations that have not completed (a failed one counts)."""
+        watchdog = getattr(self, "_watchdog", None)
+        unfinished = []
+        for pending in watchdog.outstanding() if watchdog is not None else ():
+            if pending.event is None:
+                continue
+            try:
+                if self._event_done(pending.event):
+                    continue
+            except CudaFault:
+                pass
+            unfinished.append(pending.event)
+        return unfinished
+
+    def _aborted_before_done(self, event: Any) -> bool:
+        """Whether the operation before ``event`` was cut short by the communicator's failure
+        (its event completes once the aborted kernels exit; its result is not valid)."""
+        return self._failure is not None and any(e is event for e in self._unfinished)
 
     def _on_watchdog(self, kind: str, message: str, pending: Optional[Pending]) -> None:
         if kind == "timeout" and pending is not None:
@@ -565,6 +589,8 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
                 if time.monotonic() > deadline:
                     raise self._timed_out(pending.op, pending.seq, timeout, pending.peer)
                 time.sleep(1e-4)
+        if self._failure is not None:  # some completed only because the abort ended them
+            raise self._error()
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
         """Block the host until every operation enqueued so far has completed on the GPU."""
