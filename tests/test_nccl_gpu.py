@@ -325,6 +325,10 @@ def _rank_collectives(rank, size, url):
             comm.recv(got, 0)
             comm.isend(got * 2, 0).synchronize()
             results["p2p"] = cupy.asnumpy(got)
+        empty = cupy.zeros((0, 3), cupy.float32)  # count 0 and a null pointer reach NCCL
+        assert comm.all_reduce(empty) is empty and comm.broadcast(empty, root=1) is empty
+        results["empty"] = (comm.all_gather(empty).shape,
+                            comm.all_to_all(cupy.zeros((size, 0), cupy.int16)).shape)
         sub = comm.split(0 if rank == 1 else None)
         if sub is not None:
             results["split"] = (sub.rank, sub.size)
@@ -363,6 +367,7 @@ def test_two_ranks_on_one_gpu():
     np.testing.assert_array_equal(results[1]["p2p"], np.arange(5.0))
     np.testing.assert_array_equal(results[0]["p2p"], np.arange(5.0) * 2)
     assert results[1]["split"] == (0, 1) and "split" not in results[0]
+    assert results[0]["empty"] == results[1]["empty"] == ((2, 0, 3), (2, 0))
 
 
 def _rank_stalls(rank, size, url):
