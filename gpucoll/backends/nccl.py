@@ -43,20 +43,21 @@ from .. import cuda_env
 from ..communicator import Communicator
 from ..errors import CommAbortedError, CommTimeoutError, GpucollError
 from ..rendezvous import hosts
-from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort
+from ..rendezvous.best_effort import ABORT_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
 from ..rendezvous.survivors import agree_on_survivors
 from ..types import ReduceOp
 from . import nccl_runtime, signature
 from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
+from .nccl_progress import ProgressReports
 from .nccl_work import CudaWork
 from .watchdog import CudaFault, Pending, Watchdog, event_status
 
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
 
-class NCCLCommunicator(ExactAllToAllV, Communicator):
+class NCCLCommunicator(ProgressReports, ExactAllToAllV, Communicator):
     """Communicator over GPU arrays, one GPU per rank, NCCL underneath.
 
     Attributes (besides the Communicator ones):
@@ -255,38 +256,6 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
         message = self._timeout_message(pending, limit)
         self._fail("timeout", message + "; the communicator was aborted, create a new one", pending)
         return CommTimeoutError(self._failure[1], rank=self.rank, peer=peer, op=op, seq=seq)
-
-    def _timeout_message(self, pending: Pending, limit: Optional[float] = None) -> str:
-        text = (f"rank {self.rank}: {pending.op} #{pending.seq} did not complete on GPU "
-                f"{self.device} within {self.timeout if limit is None else limit:g} s")
-        if pending.peer is not None:
-            return text + f" (peer rank {pending.peer})"
-        if not pending.collective:
-            return text
-        late = self._ranks_behind(pending.seq)
-        if late is None:
-            return text + " (the store could not say which ranks arrived)"
-        if late:
-            return text + (f"; ranks that had not reached it: {', '.join(map(str, late))} "
-                           f"(of {self.size})")
-        return text + "; every rank had issued it, so NCCL itself stalled (NCCL_DEBUG=INFO)"
-
-    def _ranks_behind(self, seq: int) -> Optional[List[int]]:
-        time.sleep(min(2 * self._watchdog_interval, 0.5))  # let peers publish their progress
-        read, late = best_effort(
-            lambda: nccl_runtime.ranks_behind(self._store, self.size, self.rank, seq), READ_BUDGET)
-        return late if read else None
-
-    def _publish_progress(self, issued: int) -> None:
-        """Publish progress on a helper thread: the watchdog never blocks on the store (an
-        unreachable store would hold back the timeout it enforces); one publish at a time."""
-        if self._publisher is not None and self._publisher.is_alive():
-            raise RuntimeError("the previous progress update has not reached the store yet")
-        self._publisher = threading.Thread(
-            target=best_effort, name="gpucoll-progress", daemon=True,
-            args=(lambda: nccl_runtime.publish_progress(self._store, self.rank, issued),
-                  self.timeout))
-        self._publisher.start()
 
     def _check_async_error(self) -> None:
         with self._teardown:  # never while abort() or destroy() frees the communicator
