@@ -121,11 +121,17 @@ def test_all_to_all_is_one_group_of_byte_sends_and_receives(calls):
         last = ("send", 40, UINT8, 1, stream) if rank == 0 else ("recv", 40, UINT8, 0, stream)
         assert p2p == [("send", 16, UINT8, 1 - rank, stream), ("recv", 16, UINT8, 1 - rank, stream),
                        last], (rank, p2p)
-    # each rank's grouped pair sits between its own groupStart and groupEnd
-    names = [name for name, _, _ in ordered]
-    assert names.count("groupStart") == names.count("groupEnd") == 2
-    for start in (i for i, n in enumerate(names) if n == "groupStart"):
-        assert names[start + 1:start + 4] == ["send", "recv", "groupEnd"], names
+    # each rank's grouped pair sits between its own thread's groupStart and groupEnd
+    by_thread = defaultdict(list)
+    for name, _, args in ordered:
+        by_thread[args["thread"]].append(name)
+    brackets = 0
+    for names in by_thread.values():
+        for start in (i for i, n in enumerate(names) if n == "groupStart"):
+            assert names[start + 1:start + 4] == ["send", "recv", "groupEnd"], names
+            brackets += 1
+        assert names.count("groupStart") == names.count("groupEnd")
+    assert brackets == 2
 
 
 def test_split_passes_color_and_key_and_every_communicator_is_destroyed(calls):

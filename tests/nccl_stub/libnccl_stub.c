@@ -6,8 +6,9 @@
 // backend makes CuPy pass: counts, datatype and op codes, roots, peers, stream handles.
 //
 // Every call appends one line to the file named by STUB_NCCL_LOG:
-//   <call> comm=<pointer> key=value ...
+//   <call> comm=<pointer> key=value ... thread=<calling thread>
 // Communicators are malloc'ed tokens; ncclCommGetAsyncError reports success.
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -27,7 +28,7 @@ static void record(const char* format, ...) {
   va_start(args, format);
   vfprintf(out, format, args);
   va_end(args);
-  fputc('\n', out);
+  fprintf(out, " thread=%lx\n", (unsigned long)pthread_self());
   if (out != stderr) fclose(out);
 }
 
