@@ -246,6 +246,23 @@ def test_context_manager_closes(run, emu, tmp_path):
         comm.all_reduce(emu.cupy.ones(2))
 
 
+
+def test_abort_never_frees_the_communicator_under_the_watchdogs_error_query(emu, tmp_path,
+                                                                           monkeypatch):
+    """ncclCommAbort frees the communicator and CuPy does not lock: an abort() on the user's
+    thread waits for the watchdog's check_async_error in flight instead of freeing the
+    communicator under it (the emulation records such an overlap as an error)."""
+    monkeypatch.setenv("GPUCOLL_WATCHDOG_INTERVAL", "0.001")
+    emu.query_delay = 0.02  # the watchdog spends most of its time inside the query
+    for attempt in range(3):
+        comm = gpucoll.init(backend="nccl", rank=0, world_size=1,
+                            url=f"file://{tmp_path}/abort{attempt}", timeout=10)
+        assert _wait_until(lambda: comm.nccl_comm._queries > 0)  # a query is in flight now
+        comm.abort()
+        assert comm.nccl_comm._status == "aborted"
+        assert not emu.errors, emu.errors[0]
+    assert emu.calls["abort"] == 3
+
 # ---------------------------------------------------------------- the emulation itself
 def test_the_emulation_refuses_what_nccl_would(emu):
     """The emulation must catch wrong bookkeeping, or the tests above would prove little."""

@@ -129,6 +129,16 @@ def test_synchronize_timeout_aborts_the_communicator(run, emu):
             comm.barrier()
         emu.release(stream)  # the aborted operation is dropped; nothing hangs
         assert work.is_completed()
+        # its event completes now (NCCL's aborted kernels exit), but its result is garbage:
+        # the Work still reports the failure
+        assert work._event.done
+        assert isinstance(work.exception(), CommTimeoutError)
+        with pytest.raises(CommTimeoutError, match="all_reduce #1 did not complete"):
+            work.wait()
+        with pytest.raises(CommTimeoutError, match="all_reduce #1 did not complete"):
+            work.synchronize(timeout=1)
+        with pytest.raises(CommTimeoutError, match="all_reduce #1 did not complete"):
+            work.result()
         return True
 
     assert run(1, fn) == [True]

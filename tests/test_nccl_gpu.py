@@ -254,13 +254,18 @@ def test_watchdog_aborts_a_stalled_operation(tmp_path):
     x = cupy.ones(16, dtype=cupy.float32)
     stream.synchronize()
     _spin(stream, 4.0)  # the all_reduce below cannot complete for 4 s
-    comm.all_reduce(x, stream=stream)
+    work = comm.all_reduce(x, stream=stream, async_op=True)
     time.sleep(2.5)  # the 1 s deadline passes; the watchdog aborts the communicator
     with pytest.raises(CommTimeoutError, match=r"all_reduce #1 did not complete on GPU 0 within 1 s"):
         comm.all_reduce(x)
     with pytest.raises(CommTimeoutError):
         comm.barrier()
     stream.synchronize()  # the spin ends; nothing hangs
+    # the aborted kernel exited, so the operation's event completed: the Work still fails
+    assert work._event.done
+    assert isinstance(work.exception(), CommTimeoutError)
+    with pytest.raises(CommTimeoutError, match="all_reduce #1 did not complete"):
+        work.wait()
     comm.close()
     with pytest.raises(CommAbortedError):
         comm.all_reduce(x)
@@ -322,6 +327,10 @@ def _rank_collectives(rank, size, url):
             comm.recv(got, 0)
             comm.isend(got * 2, 0).synchronize()
             results["p2p"] = cupy.asnumpy(got)
+        empty = cupy.zeros((0, 3), cupy.float32)  # count 0 and a null pointer reach NCCL
+        assert comm.all_reduce(empty) is empty and comm.broadcast(empty, root=1) is empty
+        results["empty"] = (comm.all_gather(empty).shape,
+                            comm.all_to_all(cupy.zeros((size, 0), cupy.int16)).shape)
         sub = comm.split(0 if rank == 1 else None)
         if sub is not None:
             results["split"] = (sub.rank, sub.size)
@@ -364,6 +373,7 @@ def test_two_ranks_on_one_gpu():
     np.testing.assert_array_equal(results[1]["p2p"], np.arange(5.0))
     np.testing.assert_array_equal(results[0]["p2p"], np.arange(5.0) * 2)
     assert results[1]["split"] == (0, 1) and "split" not in results[0]
+    assert results[0]["empty"] == results[1]["empty"] == ((2, 0, 3), (2, 0))
 
 
 def _rank_stalls(rank, size, url):

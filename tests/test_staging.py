@@ -80,3 +80,36 @@ def test_dlpack_only_device_arrays_are_staged(emu):
     staged.write_back()
     np.testing.assert_array_equal(memory.get(), [7, 7, 7])
     assert not is_device_array(np.ones(2)) and not is_device_array([1, 2])
+
+
+def test_copies_run_on_the_callers_stream_even_from_the_worker_of_an_async_op(monkeypatch,
+                                                                             tmp_path):
+    """CuPy's current stream belongs to a thread (and a GPU): the copy back of an async_op
+    runs on a worker thread, where it is another stream (the null stream of whichever GPU is
+    current there). The staging copies must use, and wait for, the stream that was current
+    for the array's GPU in the caller's thread when the operation was issued."""
+    emu = Emulation(device_count=2)
+    monkeypatch.setattr(cuda_env, "_LOADED", (emu.cupy, emu.nccl))
+    cp = emu.cupy
+    comm = gpucoll.init(backend="cpu", rank=0, world_size=1, url=f"file://{tmp_path}/s", timeout=5)
+    try:
+        with cp.cuda.Device(1):
+            x = cp.asarray(np.arange(6, dtype=np.float32))
+            stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            for async_op in (False, True):
+                del emu.host_copies[:]
+                result = comm.all_reduce(x, op="max", async_op=async_op)
+                if async_op:
+                    assert result.wait(timeout=5)
+                used = [(kind, state.name) for kind, state in emu.host_copies]
+                assert used == [("get", f"stream {stream.ptr:#x}"),
+                                ("set", f"stream {stream.ptr:#x}")], (async_op, used)
+        with cp.cuda.Device(1):  # no stream: the null stream of the array's GPU, not GPU 0's
+            del emu.host_copies[:]
+            comm.all_reduce(x, async_op=True).wait(timeout=5)
+        assert [(kind, state.name) for kind, state in emu.host_copies] == \
+            [("get", "null stream of GPU 1"), ("set", "null stream of GPU 1")]
+        np.testing.assert_array_equal(x.get(), np.arange(6, dtype=np.float32))
+    finally:
+        comm.close()

@@ -43,20 +43,21 @@ from .. import cuda_env
 from ..communicator import Communicator
 from ..errors import CommAbortedError, CommTimeoutError, GpucollError
 from ..rendezvous import hosts
-from ..rendezvous.best_effort import ABORT_BUDGET, READ_BUDGET, best_effort
+from ..rendezvous.best_effort import ABORT_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
 from ..rendezvous.survivors import agree_on_survivors
 from ..types import ReduceOp
 from . import nccl_runtime, signature
 from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
+from .nccl_progress import ProgressReports
 from .nccl_work import CudaWork
 from .watchdog import CudaFault, Pending, Watchdog, event_status
 
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
 
-class NCCLCommunicator(ExactAllToAllV, Communicator):
+class NCCLCommunicator(ProgressReports, ExactAllToAllV, Communicator):
     """Communicator over GPU arrays, one GPU per rank, NCCL underneath.
 
     Attributes (besides the Communicator ones):
@@ -85,12 +86,19 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
         self._token, self._debug = token, debug
         self._watchdog_interval = watchdog_interval
         self._failure: Optional[Tuple[type, str]] = None
+        # events of the operations not complete when the communicator failed: NCCL's abort
+        # makes their kernels exit, so the events complete, but the results are not valid
+        self._unfinished: List[Any] = []
         self._closed = False
         self._seq = 0
         self._p2p_seq = 0
         self._splits = 0
         self._shrinks = 0
         self._lock = threading.Lock()
+        # held around the watchdog's asynchronous-error query and around abort / destroy:
+        # ncclCommAbort and ncclCommDestroy free the communicator that a concurrent
+        # ncclCommGetAsyncError on the watchdog thread would still read (CuPy does not lock)
+        self._teardown = threading.Lock()
         self._publisher: Optional[threading.Thread] = None
         if _local is None:
             _local = self._local_rank()
@@ -190,13 +198,35 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
             error_type = CommTimeoutError if kind == "timeout" else CommAbortedError
             if kind == "timeout":
                 message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
+            self._unfinished = self._unfinished_events()  # before the abort ends them
             self._failure = (error_type, message)
-        try:
-            self.nccl_comm.abort()
-        except Exception:
-            pass
+        with self._teardown:
+            try:
+                self.nccl_comm.abort()
+            except Exception:
+                pass
         # the store may be unreachable now (its host lost): a short budget, never a timeout
         best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
+
+    def _unfinished_events(self) -> List[Any]:
+        """Events of the tracked operations that have not completed (a failed one counts)."""
+        watchdog = getattr(self, "_watchdog", None)
+        unfinished = []
+        for pending in watchdog.outstanding() if watchdog is not None else ():
+            if pending.event is None:
+                continue
+            try:
+                if self._event_done(pending.event):
+                    continue
+            except CudaFault:
+                pass
+            unfinished.append(pending.event)
+        return unfinished
+
+    def _aborted_before_done(self, event: Any) -> bool:
+        """Whether the operation before ``event`` was cut short by the communicator's failure
+        (its event completes once the aborted kernels exit; its result is not valid)."""
+        return self._failure is not None and any(e is event for e in self._unfinished)
 
     def _on_watchdog(self, kind: str, message: str, pending: Optional[Pending]) -> None:
         if kind == "timeout" and pending is not None:
@@ -227,41 +257,10 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
         self._fail("timeout", message + "; the communicator was aborted, create a new one", pending)
         return CommTimeoutError(self._failure[1], rank=self.rank, peer=peer, op=op, seq=seq)
 
-    def _timeout_message(self, pending: Pending, limit: Optional[float] = None) -> str:
-        text = (f"rank {self.rank}: {pending.op} #{pending.seq} did not complete on GPU "
-                f"{self.device} within {self.timeout if limit is None else limit:g} s")
-        if pending.peer is not None:
-            return text + f" (peer rank {pending.peer})"
-        if not pending.collective:
-            return text
-        late = self._ranks_behind(pending.seq)
-        if late is None:
-            return text + " (the store could not say which ranks arrived)"
-        if late:
-            return text + (f"; ranks that had not reached it: {', '.join(map(str, late))} "
-                           f"(of {self.size})")
-        return text + "; every rank had issued it, so NCCL itself stalled (NCCL_DEBUG=INFO)"
-
-    def _ranks_behind(self, seq: int) -> Optional[List[int]]:
-        time.sleep(min(2 * self._watchdog_interval, 0.5))  # let peers publish their progress
-        read, late = best_effort(
-            lambda: nccl_runtime.ranks_behind(self._store, self.size, self.rank, seq), READ_BUDGET)
-        return late if read else None
-
-    def _publish_progress(self, issued: int) -> None:
-        """Publish progress on a helper thread: the watchdog never blocks on the store (an
-        unreachable store would hold back the timeout it enforces); one publish at a time."""
-        if self._publisher is not None and self._publisher.is_alive():
-            raise RuntimeError("the previous progress update has not reached the store yet")
-        self._publisher = threading.Thread(
-            target=best_effort, name="gpucoll-progress", daemon=True,
-            args=(lambda: nccl_runtime.publish_progress(self._store, self.rank, issued),
-                  self.timeout))
-        self._publisher.start()
-
     def _check_async_error(self) -> None:
-        if self._failure is None and not self._closed:
-            self.nccl_comm.check_async_error()
+        with self._teardown:  # never while abort() or destroy() frees the communicator
+            if self._failure is None and not self._closed:
+                self.nccl_comm.check_async_error()
 
     # ------------------------------------------------------------------ enqueueing
     def _new_event(self) -> Any:
@@ -559,6 +558,8 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
                 if time.monotonic() > deadline:
                     raise self._timed_out(pending.op, pending.seq, timeout, pending.peer)
                 time.sleep(1e-4)
+        if self._failure is not None:  # some completed only because the abort ended them
+            raise self._error()
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
         """Block the host until every operation enqueued so far has completed on the GPU."""
@@ -584,11 +585,13 @@ class NCCLCommunicator(ExactAllToAllV, Communicator):
         finally:
             self._closed = True
             self._watchdog.stop()
-            if self._failure is None:
-                try:
-                    self.nccl_comm.destroy()
-                except Exception:
-                    pass
+            if self._failure is None:  # after a failure the lock may be held by an abort
+                with self._teardown:  # that hangs in NCCL: never wait for it here
+                    if self._failure is None:  # the watchdog may outlive stop()'s join
+                        try:
+                            self.nccl_comm.destroy()
+                        except Exception:
+                            pass
             self._release_store()
 
     def __repr__(self) -> str:

@@ -55,8 +55,9 @@ def create_communicator(store, rank: int, size: int, device: int, timeout: float
     itself runs on a helper thread and is bounded by ``timeout`` too.
     """
     _, nccl = load()
-    # connect every peer now, inside this bounded call, not lazily inside a later collective
-    # where a missing peer would block the host (the user's value wins)
+    # connect the collectives' peers now, inside this bounded call, not lazily inside a later
+    # collective where a missing peer would block the host (the user's value wins). NCCL may
+    # still connect a pair at its first send/recv; the watchdog bounds that host call.
     config.set_default("NCCL_RUNTIME_CONNECT", "0")
     if rank == 0:
         store.set(key, bytes(nccl.get_unique_id()))

@@ -29,7 +29,14 @@ class CudaWork(Work):
     def _gpu_done(self) -> bool:
         return self._comm._work_done(self.op, self.seq, self._event)
 
+    def _cut_short(self) -> bool:
+        """The communicator failed before this operation completed: NCCL's abort ended its
+        kernels, so its event completes, but its result is not valid."""
+        return self._comm._aborted_before_done(self._event)
+
     def exception(self) -> Optional[BaseException]:
+        if self._cut_short():
+            return self._comm._error()
         try:
             if self._gpu_done():
                 return None
@@ -44,7 +51,7 @@ class CudaWork(Work):
             CommTimeoutError / CommAbortedError: the communicator failed before the operation
                 completed.
         """
-        if self._comm._failure is not None and not self._gpu_done():
+        if self._comm._failure is not None and (self._cut_short() or not self._gpu_done()):
             raise self._comm._error()
         cupy = self._comm._cupy
         cupy.cuda.runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, self._event.ptr)
@@ -62,6 +69,8 @@ class CudaWork(Work):
                 raise self._comm._timed_out(self.op, self.seq, limit, self._peer)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+        if self._cut_short():
+            raise self._comm._error()
         return True
 
     def result(self, timeout: Optional[float] = None) -> Any:

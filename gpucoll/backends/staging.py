@@ -3,9 +3,11 @@ torch CUDA tensors, anything with ``__cuda_array_interface__`` or DLPack on a GP
 to host memory and the result is copied back into them, so several processes can share one
 GPU without NCCL.
 
-Copies run on ``stream`` when one is given (a CuPy stream), else on CuPy's current stream; the
-copy to the host is waited for before the collective reads it, and the copy back is waited
-for before the operation counts as done.
+Copies run on ``stream`` when one is given (a CuPy stream), else on the stream that is current
+for the array's GPU in the calling thread when the operation is issued (CuPy keeps one current
+stream per thread and GPU: the copy back of an ``async_op`` runs on a worker thread, where
+another stream is current); the copy to the host is waited for before the collective reads
+it, and the copy back is waited for before the operation counts as done.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class Staged:
             self.device = array
             self.view = _device_view(cupy, array)
             self.stream = _cupy_stream(cupy, stream)
+            if self.stream is None:  # the caller's, now: write_back may run on another thread
+                with self.view.device:
+                    self.stream = cupy.cuda.get_current_stream()
             self.host = self.view.get(stream=self.stream)  # blocking: the copy is done
         else:
             self.host, self.device = np.asarray(array), None
@@ -99,10 +104,7 @@ class Staged:
     def write_back(self) -> None:
         if self.device is not None:
             self.view.set(self.host, stream=self.stream)
-            if self.stream is not None:
-                self.stream.synchronize()
-            else:
-                cuda_env.cupy_module().cuda.get_current_stream().synchronize()
+            self.stream.synchronize()
 
     @property
     def caller(self):
@@ -114,6 +116,7 @@ class Staged:
         staged = cls(np.empty(shape, dtype))
         if like is not None and like.device is not None:
             cupy = cuda_env.cupy_module()
-            staged.device = staged.view = cupy.empty(shape, dtype)
+            with like.view.device:  # beside ``like``, whichever GPU is current
+                staged.device = staged.view = cupy.empty(shape, dtype)
             staged.stream = like.stream
         return staged

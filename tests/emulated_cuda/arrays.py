@@ -127,16 +127,34 @@ class ndarray:  # noqa: N801 (CuPy's name)
             return self
         return self._emu._from_host(self._a.astype(dtype), self._device_id)
 
+    def _copy_stream(self, stream: Any):
+        """The stream a host copy runs on, as CuPy picks it: ``stream`` (a CuPy stream), else
+        the calling thread's current stream (the null stream: this array's GPU's)."""
+        emu = self._emu
+        ptr = (emu.get_current_stream() if stream is None else stream).ptr
+        return emu._state(ptr, self._device_id)
+
     def set(self, arr, stream=None) -> None:
-        """Copy host data in (CuPy's ``ndarray.set``): same shape and dtype."""
+        """Copy host data in (CuPy's ``ndarray.set``): same shape and dtype, enqueued on
+        ``stream`` (else the current stream) after the work already there."""
         arr = np.asarray(arr)
         if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
             raise ValueError(f"emulated set: {arr.shape} {arr.dtype} into {self._a.shape} "
                              f"{self._a.dtype}")
-        np.copyto(self._a, arr)
+        data = arr.copy()  # CuPy stages pageable host memory before set() returns
+        state = self._copy_stream(stream)
+        self._emu.host_copies.append(("set", state))
+        self._emu._submit(state, lambda: np.copyto(self._a, data))
 
     def get(self, stream=None) -> np.ndarray:
-        return self._a.copy()
+        """A host copy (CuPy's ``ndarray.get``), made on ``stream`` (else the current stream)
+        after the work already there; returns once the copy is done."""
+        state = self._copy_stream(stream)
+        out = np.empty_like(self._a)
+        self._emu.host_copies.append(("get", state))
+        self._emu._submit(state, lambda: np.copyto(out, self._a))
+        self._emu.wait_drained(state)
+        return out
 
     def fill(self, value) -> None:
         self._a.fill(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -143,6 +144,7 @@ class NcclCommunicator:
         self._nsplit = 0
         self._status = "ok"  # "aborted", "destroyed"
         self._async_error: Optional[NcclError] = None
+        self._queries = 0  # check_async_error() calls in flight (on any thread)
         clique.members[rank] = self
         clique.devices[rank] = device
 
@@ -407,10 +409,20 @@ class NcclCommunicator:
             comm._setup(new_clique, new_rank, self._device)
             return comm
 
+    def _teardown_check(self, name: str) -> None:
+        """``ncclCommAbort`` / ``ncclCommDestroy`` free the communicator; CuPy does not lock,
+        so a ``check_async_error`` in flight on another thread would read freed memory. The
+        emulation records that as an error (the tests' fixture fails on it)."""
+        if self._queries and self._status == "ok":
+            self._emu.errors.append(NcclError(INVALID_USAGE, (
+                f"rank {self._rank}: {name} while check_async_error() ran on another thread "
+                f"(real NCCL frees the communicator under it)")))
+
     def abort(self) -> None:
         emu = self._emu
         emu.calls["abort"] += 1
         with emu.cond:
+            self._teardown_check("abort()")
             if self._status != "ok":
                 return
             self._status = "aborted"
@@ -421,15 +433,25 @@ class NcclCommunicator:
         emu = self._emu
         emu.calls["destroy"] += 1
         with emu.cond:
+            self._teardown_check("destroy()")
             if self._status == "ok":
                 self._status = "destroyed"
                 emu.cond.notify_all()
 
     def check_async_error(self) -> None:
-        self._usable()
-        error = self._async_error
-        if error is not None:
-            raise error
+        emu = self._emu
+        with emu.lock:
+            self._queries += 1
+        try:
+            if emu.query_delay:
+                time.sleep(emu.query_delay)
+            self._usable()
+            error = self._async_error
+            if error is not None:
+                raise error
+        finally:
+            with emu.lock:
+                self._queries -= 1
 
     def _set_async_error(self, exc: BaseException) -> None:
         if self._async_error is None:

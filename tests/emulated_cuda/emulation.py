@@ -46,6 +46,10 @@ class Emulation:
         self.calls: collections.Counter = collections.Counter()
         self.history: List[Tuple[Any, str, dict]] = []  # (nccl comm, call, arguments)
         self.errors: List[BaseException] = []
+        # seconds check_async_error() takes (a test widens the window in which abort() or
+        # destroy() on another thread would free the communicator under it)
+        self.query_delay = 0.0
+        self.host_copies: List[Tuple[str, _StreamState]] = []  # ndarray.set / get: the stream
         self.cupy, self.nccl = self._build_modules()
 
     # -------------------------------------------------------------- modules
@@ -359,7 +363,10 @@ class Emulation:
         self._submit(state, lambda: ctypes.memmove(dst, src, size) if size else None)
 
     def synchronize_stream(self, ptr: int) -> None:
-        state = self._state(ptr)
+        self.wait_drained(self._state(ptr))
+
+    def wait_drained(self, state: _StreamState) -> None:
+        """Block (bounded) until everything enqueued on ``state`` has run."""
         with self.cond:
             if not self.cond.wait_for(lambda: not state.queue and not state.running,
                                       self.timeout):
