@@ -248,8 +248,11 @@ def test_torch_cuda_tensors():
 def test_watchdog_aborts_a_stalled_operation(tmp_path):
     import cupy
 
+    # creation (CUDA context, NCCL's set-up) may take seconds on a fresh process: it gets a
+    # long limit, the operations below the short one
     comm = gpucoll.init(backend="nccl", rank=0, world_size=1, url=f"file://{tmp_path}/s",
-                        timeout=1.0)
+                        timeout=60)
+    comm.timeout = 1.0
     stream = cupy.cuda.Stream(non_blocking=True)
     x = cupy.ones(16, dtype=cupy.float32)
     stream.synchronize()
@@ -379,7 +382,8 @@ def test_two_ranks_on_one_gpu():
 def _rank_stalls(rank, size, url):
     import cupy
 
-    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=3.0)
+    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=60)
+    comm.timeout = 3.0  # for the operations; creation had the long limit
     x = cupy.ones(1024, dtype=cupy.float32)
     comm.all_reduce(x)  # #1: both ranks
     cupy.cuda.get_current_stream().synchronize()
@@ -414,7 +418,8 @@ def _rank_shrinks(rank, size, url):
 
     from gpucoll.errors import PeerError
 
-    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=3.0)
+    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=60)
+    comm.timeout = 3.0  # for the operations and shrink; creation had the long limit
     x = cupy.ones(1024, dtype=cupy.float32)
     comm.all_reduce(x)  # #1: every rank
     cupy.cuda.get_current_stream().synchronize()
