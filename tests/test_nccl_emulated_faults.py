@@ -263,6 +263,48 @@ def test_abort_never_frees_the_communicator_under_the_watchdogs_error_query(emu,
         assert not emu.errors, emu.errors[0]
     assert emu.calls["abort"] == 3
 
+def test_an_abort_that_waits_in_nccl_does_not_hold_up_the_failing_call(run, emu, monkeypatch):
+    """Within a node NCCL's abort may wait until the node's other ranks abort too: the call
+    whose failure aborts the communicator still raises after at most ABORT_WAIT, and the
+    abort completes on its own thread once NCCL lets it."""
+    from gpucoll.backends import nccl_runtime
+
+    monkeypatch.setattr(nccl_runtime, "ABORT_WAIT", 0.3)
+    cp = emu.cupy
+    finished = threading.Event()
+
+    def fn(comm):
+        x = cp.ones(16, dtype=cp.float32)
+        comm.all_reduce(x)  # #1 on both ranks
+        if comm.rank == 1:
+            assert finished.wait(10)  # never issues #2
+            return "skipped"
+        try:
+            emu.abort_hold = threading.Event()  # NCCL's abort now waits for rank 1's
+            stream = cp.cuda.Stream(non_blocking=True)
+            emu.stall(stream)
+            comm.all_reduce(x, stream=stream)  # #2 cannot complete
+            started = time.monotonic()
+            with pytest.raises(CommTimeoutError, match=r"all_reduce #2 did not complete"):
+                comm.synchronize(timeout=0.3)  # its failure aborts, on this thread
+            took = time.monotonic() - started
+            assert comm.nccl_comm._status == "ok"  # the abort still waits in NCCL
+            with pytest.raises(CommTimeoutError):
+                comm.all_reduce(x)
+            emu.abort_hold.set()
+            assert _wait_until(lambda: comm.nccl_comm._status == "aborted")
+            return took
+        finally:
+            if emu.abort_hold is not None:
+                emu.abort_hold.set()
+            finished.set()
+
+    took, skipped = run(2, fn, timeout=10)
+    assert skipped == "skipped"
+    assert took < 2.5, took  # 0.3 s to the timeout, 0.3 s for the abort; not the 30 s hold
+    assert not emu.errors, emu.errors[0]
+
+
 # ---------------------------------------------------------------- the emulation itself
 def test_the_emulation_refuses_what_nccl_would(emu):
     """The emulation must catch wrong bookkeeping, or the tests above would prove little."""

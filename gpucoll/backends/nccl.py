@@ -200,11 +200,7 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, Communicator):
                 message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
             self._unfinished = self._unfinished_events()  # before the abort ends them
             self._failure = (error_type, message)
-        with self._teardown:
-            try:
-                self.nccl_comm.abort()
-            except Exception:
-                pass
+        nccl_runtime.abort_bounded(self.nccl_comm, self._teardown, self.device, self.rank)
         # the store may be unreachable now (its host lost): a short budget, never a timeout
         best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
 

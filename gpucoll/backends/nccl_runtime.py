@@ -106,6 +106,25 @@ def run_bounded(fn: Callable[[], Any], device: int, timeout: float, what: str, o
     return result["value"]
 
 
+ABORT_WAIT = 5.0  # seconds a failing call waits for ncclCommAbort before it raises anyway
+
+
+def abort_bounded(nccl_comm: Any, lock: threading.Lock, device: int, rank: int) -> None:
+    """``ncclCommAbort`` (under ``lock``, see the NCCL backend's teardown), waited for at most
+    :data:`ABORT_WAIT` seconds. Within a node NCCL's abort may wait until the node's other
+    ranks abort too (NVIDIA/nccl#863), and the call that failed must still raise its error on
+    time: the abort then goes on, on its helper thread. Errors of the abort are dropped (the
+    communicator is given up either way)."""
+    def abort() -> None:
+        with lock:
+            nccl_comm.abort()
+
+    try:
+        run_bounded(abort, device, ABORT_WAIT, f"rank {rank}: ncclCommAbort", "abort", rank)
+    except Exception:
+        pass
+
+
 def publish_progress(store, rank: int, issued: int) -> None:
     """Record in ``store`` that ``rank`` has issued collectives up to sequence number ``issued``."""
     store.set(f"progress/{rank}", str(int(issued)).encode())

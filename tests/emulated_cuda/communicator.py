@@ -421,6 +421,8 @@ class NcclCommunicator:
     def abort(self) -> None:
         emu = self._emu
         emu.calls["abort"] += 1
+        if emu.abort_hold is not None:
+            emu.abort_hold.wait(30)
         with emu.cond:
             self._teardown_check("abort()")
             if self._status != "ok":

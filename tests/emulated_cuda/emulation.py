@@ -49,6 +49,9 @@ class Emulation:
         # seconds check_async_error() takes (a test widens the window in which abort() or
         # destroy() on another thread would free the communicator under it)
         self.query_delay = 0.0
+        # when set (a threading.Event), abort() waits for it first, as NCCL's abort may wait
+        # for the other ranks of the node to abort too
+        self.abort_hold: Optional[threading.Event] = None
         self.host_copies: List[Tuple[str, _StreamState]] = []  # ndarray.set / get: the stream
         self.cupy, self.nccl = self._build_modules()
 
