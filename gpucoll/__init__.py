@@ -18,6 +18,7 @@ from .default_comm import default, destroy, get_rank, get_world_size, is_initial
 from .errors import (AuthenticationError, BackendUnavailableError, CollectiveMismatchError,
                      CommAbortedError, CommTimeoutError, GpucollError, NotInitializedError,
                      PeerError, StoreError, UnsupportedOperationError)
+from .mesh import Mesh
 from .types import ReduceOp
 from .work import Work
 
@@ -28,7 +29,7 @@ __all__ = [
     "CollectiveMismatchError", "CommAbortedError", "BackendUnavailableError",
     "AuthenticationError", "StoreError", "NotInitializedError", "UnsupportedOperationError",
     "default", "destroy", "get_rank", "get_world_size", "is_initialized", "register_backend",
-    "available_backends", "spawn", "SpawnError", "__version__",
+    "available_backends", "spawn", "SpawnError", "Mesh", "__version__",
 ]
 
 

@@ -4,14 +4,14 @@ Run with::
 
     gpucoll run -n 4 -m gpucoll.examples.train_tp [--tp 2] [--epochs 10] [--sequence-parallel]
 
-The ranks form a grid of ``world / tp`` data-parallel replicas of ``tp`` ranks each, built with
-two ``split`` calls: ranks ``{0, 1}`` and ``{2, 3}`` share a model (tensor-parallel groups:
-the hidden layer's features are split between them), ranks ``{0, 2}`` and ``{1, 3}`` hold the
-same slices (data-parallel groups: they see different data and average their gradients with
-a ``Bucketer``). Per step: one all-reduce forward and one backward in each tensor-parallel
-group, one bucketed all-reduce per data-parallel group. With ``--sequence-parallel`` each
-tensor-parallel rank gets half of its replica's batch rows and the MLP all-gathers /
-reduce-scatters them instead. Rank 0 prints the loss and the accuracy per epoch.
+The ranks form a grid of ``world / tp`` data-parallel replicas of ``tp`` ranks each, a
+``gpucoll.Mesh(comm, dp=world / tp, tp=tp)``: ranks ``{0, 1}`` and ``{2, 3}`` share a model
+(tensor-parallel groups: the hidden layer's features are split between them), ranks
+``{0, 2}`` and ``{1, 3}`` hold the same slices (data-parallel groups: they see different data
+and average their gradients with a ``Bucketer``). Per step: one all-reduce forward and one
+backward in each tensor-parallel group, one bucketed all-reduce per data-parallel group. With
+``--sequence-parallel`` each tensor-parallel rank gets half of its replica's batch rows and the
+MLP all-gathers / reduce-scatters them instead. Rank 0 prints the loss and the accuracy per epoch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from gpucoll import Mesh
 from gpucoll.ddp import Bucketer, DistributedSampler, all_reduce_metrics, make_optimizer
 from gpucoll.examples.train_digits import (_array_module, _init, add_common_arguments, epoch_line,
                                            load_digits_split)
@@ -44,8 +45,9 @@ def main(argv=None) -> int:
         if args.batch_size % (replicas * (args.tp if args.sequence_parallel else 1)):
             raise SystemExit(f"--batch-size {args.batch_size} must divide among the replicas "
                              f"(and tensor-parallel ranks with --sequence-parallel)")
-        tp_comm = comm.split(comm.rank // args.tp)    # same model, different slices
-        dp_comm = comm.split(comm.rank % args.tp)     # same slices, different data
+        mesh = Mesh(comm, dp=replicas, tp=args.tp)
+        tp_comm = mesh["tp"]    # same model, different slices
+        dp_comm = mesh["dp"]    # same slices, different data
         mlp = ParallelMLP(tp_comm, 64, args.hidden, 10, seed=args.seed, xp=xp,
                           sequence_parallel=args.sequence_parallel)
         bucketer = Bucketer(dp_comm, mlp.params)
@@ -90,8 +92,7 @@ def main(argv=None) -> int:
                 if args.sequence_parallel else {"correct": hits, "seen": len(y_eval)}
             if comm.rank == 0:
                 print(epoch_line(epoch, totals, test["correct"] / test["seen"], start), flush=True)
-        tp_comm.close()
-        dp_comm.close()
+        mesh.close()
     return 0
 
 
