@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..mesh import Mesh
 from ..types import dtype_from_code, wire_code
 from .layers import softmax_cross_entropy
 from .schedule import SCHEDULES, schedule_actions
@@ -261,7 +262,7 @@ class Pipeline:
 def pipeline_groups(comm, stages: int):
     """Split ``comm`` into ``comm.size / stages`` pipelines of ``stages`` ranks and the
     data-parallel groups across them: world rank ``r`` runs stage ``r % stages`` of replica
-    ``r // stages``.
+    ``r // stages``: the axes ``pp`` and ``dp`` of a :class:`gpucoll.Mesh`.
 
     Returns:
         ``(pipe_comm, dp_comm)``: this rank's pipeline (rank = stage) and the ranks holding
@@ -274,6 +275,5 @@ def pipeline_groups(comm, stages: int):
         raise ValueError(f"stages must be an int >= 1, got {stages!r}")
     if comm.size % stages:
         raise ValueError(f"{stages} stages do not divide the {comm.size} ranks into pipelines")
-    pipe_comm = comm.split(comm.rank // stages, key=comm.rank % stages)
-    dp_comm = comm.split(comm.rank % stages, key=comm.rank // stages)
-    return pipe_comm, dp_comm
+    mesh = Mesh(comm, dp=comm.size // stages, pp=stages)
+    return mesh["pp"], mesh["dp"]
