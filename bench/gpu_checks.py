@@ -23,6 +23,10 @@ Phases (``--phase``, comma-separated; default all, in this order):
 
 ``--budget SECONDS`` stops starting steps that would not fit (a step is started only when its
 limit fits in what is left), so a caller with a hard wall-clock limit still gets its summary.
+A step that exits 0 without writing its JSON (a benchmark that found no GPU says so and exits
+0) counts as failed. The re-run of the GPU tests leaves out the tests the first run passed.
+The training steps need scikit-learn's digits: without scikit-learn and without ``--digits``
+they are not run (and say so) rather than failing.
 Without a GPU it says so and exits 3 (``--list`` shows the steps anywhere; ``--force`` runs them
 anyway, to try their command lines).
 
@@ -35,8 +39,10 @@ Exit status: 0 every step run passed, 1 some failed or timed out, 2 usage, 3 no 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,6 +89,10 @@ class Step:
     argv: List[str]
     env: Dict[str, str] = field(default_factory=dict)
     only_if_failed: Optional[str] = None  # run only when the named step failed
+    # pytest: leave out the tests that the named step's log shows PASSED
+    skip_passed_of: Optional[str] = None
+    outputs: List[str] = field(default_factory=list)  # files a step that exits 0 must write
+    needs_module: Optional[str] = None  # not run (and not failed) where it is not importable
 
     def line(self) -> str:
         """The command as one line (a multi-line ``-c`` script shows as its line count)."""
@@ -100,6 +110,7 @@ def plan(out: str, digits: Optional[str] = None) -> List[Step]:
     """The steps, in order. ``digits``: an .npz of the digits data for hosts without scikit-learn."""
     j = lambda name: os.path.join(out, name)  # noqa: E731
     digits_args = ["--data", digits] if digits else []
+    digits_need = None if digits else "sklearn"
     # -v names each test as it starts, and faulthandler_timeout dumps the stacks of a test that
     # runs long, so a step killed at its limit still says where it hung
     pytest = [PY, "-m", "pytest", "tests", "-m", "gpu", "-v", "-rfEs", "-p", "no:cacheprovider",
@@ -111,7 +122,7 @@ def plan(out: str, digits: Optional[str] = None) -> List[Step]:
         Step("env", "doctor", 60, _gpucoll("doctor")),
         Step("tests", "gpu-tests-x", 300, pytest + ["-x", f"--junitxml={j('gpu-tests-x.xml')}"]),
         Step("tests", "gpu-tests-all", 420, pytest + [f"--junitxml={j('gpu-tests-all.xml')}"],
-             only_if_failed="gpu-tests-x"),
+             only_if_failed="gpu-tests-x", skip_passed_of="gpu-tests-x"),
         Step("ranks", "allreduce-nccl-2-ranks", 120,
              _gpucoll("run", "-n", "2", "-m", "gpucoll.examples.allreduce", "--max-bytes", "256MiB"),
              {**TWO_RANKS_ON_ONE_GPU, "GPUCOLL_BACKEND": "nccl"}),
@@ -120,25 +131,29 @@ def plan(out: str, digits: Optional[str] = None) -> List[Step]:
                       "--arrays", "cupy"), {"GPUCOLL_BACKEND": "cpu"}),
         Step("ranks", "train-digits-nccl-2-ranks", 150,
              _gpucoll("run", "-n", "2", "-m", "gpucoll.examples.train_digits", "--epochs", "3",
-                      *digits_args), {**TWO_RANKS_ON_ONE_GPU, "GPUCOLL_BACKEND": "nccl"}),
+                      *digits_args), {**TWO_RANKS_ON_ONE_GPU, "GPUCOLL_BACKEND": "nccl"},
+             needs_module=digits_need),
         Step("ranks", "train-digits-cpu-staging-2-ranks", 150,
              _gpucoll("run", "-n", "2", "-m", "gpucoll.examples.train_digits", "--epochs", "3",
-                      *digits_args), {"GPUCOLL_BACKEND": "cpu"}),
+                      *digits_args), {"GPUCOLL_BACKEND": "cpu"}, needs_module=digits_need),
         Step("bench", "bench-nccl-1-rank", 150,
-             [PY, "bench/bench_nccl.py", "--json", j("nccl_overhead_1rank.json")]),
+             [PY, "bench/bench_nccl.py", "--json", j("nccl_overhead_1rank.json")],
+             outputs=[j("nccl_overhead_1rank.json")]),
         Step("bench", "bench-nccl-2-ranks", 200,
              _gpucoll("run", "-n", "2", "bench/bench_nccl.py", "--json", j("nccl_overhead_2ranks.json")),
-             TWO_RANKS_ON_ONE_GPU),
+             TWO_RANKS_ON_ONE_GPU, outputs=[j("nccl_overhead_2ranks.json")]),
         Step("bench", "bench-bucket", 120,
-             [PY, "bench/bench_bucket.py", "--skip-cpu", "--skip-e2e", "--json", j("bucket.json")]),
-        Step("bench", "topo", 90, _gpucoll("topo", "--json", j("topo.json"))),
+             [PY, "bench/bench_bucket.py", "--skip-cpu", "--skip-e2e", "--json", j("bucket.json")],
+             outputs=[j("bucket.json")]),
+        Step("bench", "topo", 90, _gpucoll("topo", "--json", j("topo.json")), outputs=[j("topo.json")]),
         Step("sweep", "bench-all-reduce-g1", 200,
              _gpucoll("bench", "all_reduce", "-g", "1", "-b", "8", "-e", "1G", "-f", "4",
-                      "--backend", "nccl", "--json", j("all_reduce_g1.json"))),
+                      "--backend", "nccl", "--json", j("all_reduce_g1.json")),
+             outputs=[j("all_reduce_g1.json")]),
         Step("sweep", "bench-all-reduce-g2", 300,
              _gpucoll("bench", "all_reduce", "-g", "2", "-b", "8", "-e", "1G", "-f", "4",
                       "--backend", "nccl", "--json", j("all_reduce_g2.json")),
-             TWO_RANKS_ON_ONE_GPU),
+             TWO_RANKS_ON_ONE_GPU, outputs=[j("all_reduce_g2.json")]),
     ]
 
 
@@ -150,16 +165,37 @@ def _tail(path: str, lines: int = 25) -> str:
         return ""
 
 
-def run_step(step: Step, log_path: str) -> Dict[str, object]:
-    """Run one step in its own session; on time-out stop its whole process group."""
+#: a test that passed, as ``pytest -v`` names it: ``tests/test_x.py::test_y[a-b] PASSED``
+_PASSED = re.compile(r"^(\S+::.*?) PASSED +\[ *\d+%\]$", re.MULTILINE)
+
+
+def passed_tests(log_path: str) -> List[str]:
+    """The node ids that a ``pytest -v`` log shows PASSED (none when the log is missing)."""
+    try:
+        with open(log_path, errors="replace") as handle:
+            return sorted(set(_PASSED.findall(handle.read())))
+    except OSError:
+        return []
+
+
+def run_step(step: Step, log_path: str, extra: Sequence[str] = ()) -> Dict[str, object]:
+    """Run one step in its own session; on time-out stop its whole process group.
+
+    ``extra``: arguments appended to the step's command line for this run. A step that exits
+    0 but leaves one of its ``outputs`` unwritten has failed.
+    """
     env = dict(os.environ, **step.env)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for path in step.outputs:  # a file left by an earlier run must not pass for this one's
+        if os.path.exists(path):
+            os.remove(path)
+    argv = list(step.argv) + list(extra)
     start = time.monotonic()
     with open(log_path, "w") as log:
-        log.write(f"$ {step.line()}\n")
+        log.write(f"$ {step.line()}{' (+ ' + str(len(extra)) + ' arguments)' if extra else ''}\n")
         log.flush()
         try:
-            proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as exc:
             log.write(f"could not start: {exc}\n")
@@ -182,6 +218,10 @@ def run_step(step: Step, log_path: str) -> Dict[str, object]:
             rc = proc.returncode
         if status == "passed" and rc != 0:
             status = "failed"
+        missing = [path for path in step.outputs if not os.path.exists(path)]
+        if status == "passed" and missing:
+            status = "failed"
+            log.write(f"gpu_checks: exited 0 but did not write {', '.join(missing)}\n")
     return {"status": status, "rc": rc, "seconds": round(time.monotonic() - start, 1)}
 
 
@@ -208,17 +248,27 @@ def run(steps: Sequence[Step], out: str, budget: Optional[float], echo=print) ->
     deadline = None if budget is None else time.monotonic() + budget
     results: List[Dict[str, object]] = []
     outcome: Dict[str, str] = {}
+    logs: Dict[str, str] = {}
     for index, step in enumerate(steps):
         record = {"phase": step.phase, "name": step.name, "command": step.line(),
                   "limit_s": step.limit_s, "log": f"{index:02d}-{step.name}.log", "rc": None,
                   "seconds": 0.0}
+        logs[step.name] = os.path.join(out, str(record["log"]))
         if step.only_if_failed and outcome.get(step.only_if_failed) == "passed":
             record["status"] = f"not needed ({step.only_if_failed} passed)"
+        elif step.needs_module and importlib.util.find_spec(step.needs_module) is None:
+            record["status"] = f"not run ({step.needs_module} is not installed)"
         elif deadline is not None and time.monotonic() + step.limit_s > deadline:
             record["status"] = "not run (budget)"
         else:
+            extra: List[str] = []
+            if step.skip_passed_of and step.skip_passed_of in logs:
+                for node in passed_tests(logs[step.skip_passed_of]):
+                    extra += ["--deselect", node]
             echo(f"[{step.phase}] {step.name} (limit {step.limit_s:g} s) ...", flush=True)
-            record.update(run_step(step, os.path.join(out, record["log"])))
+            record.update(run_step(step, logs[step.name], extra))
+            if extra:
+                record["deselected"] = len(extra) // 2
         outcome[step.name] = str(record["status"])
         echo(f"[{step.phase}] {step.name}: {record['status']} ({record['seconds']} s)", flush=True)
         results.append(record)
@@ -245,11 +295,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unknown phase(s) {unknown or args.phase!r}; choose from {', '.join(PHASES)}")
     if args.budget is not None and args.budget <= 0:
         parser.error(f"--budget must be positive, got {args.budget:g}")
+    digits = os.path.abspath(args.digits) if args.digits else None
+    if digits and not os.path.isfile(digits):
+        parser.error(f"--digits {args.digits}: no such file")
     out = os.path.abspath(args.out)
-    steps = [s for s in plan(out, args.digits) if s.phase in phases]
+    steps = [s for s in plan(out, digits) if s.phase in phases]
     if args.list:
         for step in steps:
             extra = f"  (only if {step.only_if_failed} failed)" if step.only_if_failed else ""
+            if step.skip_passed_of:
+                extra += f"  (without the tests {step.skip_passed_of} passed)"
+            if step.needs_module and importlib.util.find_spec(step.needs_module) is None:
+                extra += f"  (not run here: {step.needs_module} is not installed; see --digits)"
             print(f"[{step.phase}] {step.name}, limit {step.limit_s:g} s: {step.line()}{extra}")
         return 0
     sys.path.insert(0, ROOT)

@@ -119,3 +119,58 @@ def test_runner_limits_budgets_reruns_and_summarizes(tmp_path):
     assert "## fails: failed" in summary and "it broke" in summary
     assert "## hangs: timed out" in summary and "## ok" not in summary
     assert any("hangs: timed out" in line for line in lines)
+
+
+def test_outputs_missing_modules_and_reruns_without_passed_tests(tmp_path):
+    """A step that exits 0 without its JSON fails (a stale file from an earlier run does not
+    count); a step needing a missing module is not run; the re-run leaves out what passed."""
+    checks = _load()
+    Step = checks.Step
+    out = tmp_path / "out"
+    out.mkdir()
+    stale, written = out / "stale.json", out / "written.json"
+    stale.write_text("{}")
+    probe = tmp_path / "probe.py"  # a stand-in for pytest -v: prints its arguments as results
+    probe.write_text(
+        "import sys\n"
+        "print('tests/test_a.py::test_one PASSED  [ 33%]')\n"
+        "print('tests/test_a.py::test_two[x 1] PASSED  [ 66%]')\n"
+        "print('tests/test_a.py::test_three FAILED  [100%]')\n"
+        "print('ARGS', sys.argv[1:])\n"
+        "sys.exit(1)\n")
+    steps = [
+        Step("a", "no-json", 20, [PY, "-c", "print('nothing to measure')"],
+             outputs=[str(stale)]),
+        Step("a", "json", 20, [PY, "-c", f"open({str(written)!r}, 'w').write('{{}}')"],
+             outputs=[str(written)]),
+        Step("a", "needs", 20, [PY, "-c", "pass"], needs_module="no_such_module_gpu_checks"),
+        Step("b", "tests-x", 20, [PY, str(probe)]),
+        Step("b", "tests-all", 20, [PY, str(probe)], only_if_failed="tests-x",
+             skip_passed_of="tests-x"),
+    ]
+    status = checks.run(steps, str(out), budget=None, echo=lambda text, flush=True: None)
+    assert status == 1
+    doc = json.loads((out / "summary.json").read_text())
+    got = {r["name"]: r["status"] for r in doc["steps"]}
+    assert got == {"no-json": "failed", "json": "passed",
+                   "needs": "not run (no_such_module_gpu_checks is not installed)",
+                   "tests-x": "failed", "tests-all": "failed"}
+    logs = {r["name"]: (out / r["log"]) for r in doc["steps"]}
+    assert "did not write" in logs["no-json"].read_text() and not stale.exists()
+    args = [line for line in logs["tests-all"].read_text().splitlines() if line.startswith("ARGS")]
+    want = ["--deselect", "tests/test_a.py::test_one", "--deselect", "tests/test_a.py::test_two[x 1]"]
+    assert args == [f"ARGS {want}"]
+    assert [r.get("deselected") for r in doc["steps"]][-1] == 2
+
+
+def test_digits_file_is_checked_and_made_absolute(tmp_path):
+    proc = _cli("--list", "--digits", str(tmp_path / "missing.npz"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+    data = tmp_path / "digits.npz"
+    data.write_bytes(b"")
+    proc = subprocess.run([PY, SCRIPT, "--list", "--digits", "digits.npz", "--phase", "ranks"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    training = [line for line in proc.stdout.splitlines() if "train_digits" in line]
+    assert len(training) == 2 and all(f"--data {data}" in line for line in training)
