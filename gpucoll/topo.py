@@ -323,9 +323,11 @@ def report(nbytes: int = 64 << 20, quick: bool = False) -> Dict[str, Any]:
 
     reason = gpu_unavailable_reason()
     doc: Dict[str, Any] = {"gpucoll_version": __version__, "gpu_available": reason is None,
-                           "gpu_unavailable_reason": reason}
-    doc["gpu"] = gpu_report(nbytes, quick) if reason is None else None
+                           "gpu_unavailable_reason": reason, "gpu": None}
+    # the host figures fork their socket peers: before any CUDA context (and the driver's
+    # threads) exists in this process, which a forked child must not inherit
     doc["host"] = host_report(nbytes, quick)
+    doc["gpu"] = gpu_report(nbytes, quick) if reason is None else None
     return doc
 
 

@@ -109,3 +109,14 @@ def test_gpu_report_has_matrices():
     assert count >= 1 and len(doc["p2p_bandwidth_gbps"]) == count
     assert all(len(row) == count for row in doc["peer_access"])
     assert all(d["copies"]["h2d_pinned_gbps"] > 0 and d["pci_bus_id"] for d in doc["devices"])
+
+
+def test_host_figures_are_measured_before_any_gpu_work(monkeypatch):
+    """The host figures fork socket peers; forking after CUDA made its contexts (and the
+    driver's threads) is what must not happen, so the GPU part comes second."""
+    order = []
+    monkeypatch.setattr(topo, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(topo, "host_report", lambda nbytes, quick: order.append("host") or {})
+    monkeypatch.setattr(topo, "gpu_report", lambda nbytes, quick: order.append("gpu") or {})
+    doc = topo.report(1 << 10, quick=True)
+    assert order == ["host", "gpu"] and doc["gpu_available"] and doc["gpu"] == {}

@@ -135,12 +135,17 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return emu._state(ptr, self._device_id)
 
     def set(self, arr, stream=None) -> None:
-        """Copy host data in (CuPy's ``ndarray.set``): same shape and dtype, enqueued on
-        ``stream`` (else the current stream) after the work already there."""
-        arr = np.asarray(arr)
-        if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
-            raise ValueError(f"emulated set: {arr.shape} {arr.dtype} into {self._a.shape} "
-                             f"{self._a.dtype}")
+        """Copy host data in (CuPy's ``ndarray.set``), with CuPy's checks: a NumPy array only
+        (TypeError), the same dtype (TypeError) and shape (ValueError), a contiguous target;
+        enqueued on ``stream`` (else the current stream) after the work already there."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if arr.dtype != self._a.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self._a.dtype} array")
+        if arr.shape != self._a.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self._a.shape}, new shape: {arr.shape}")
+        if not (self._a.flags.c_contiguous or self._a.flags.f_contiguous):
+            raise RuntimeError("Cannot set to non-contiguous array")
         data = arr.copy()  # CuPy stages pageable host memory before set() returns
         state = self._copy_stream(stream)
         self._emu.host_copies.append(("set", state))
