@@ -21,7 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # ---------------------------------------------------------------- watchdog
-def test_watchdog_names_the_rank_that_never_arrived(run, emu):
+def _second_all_reduce_stalls(run, emu, rank_0, timeout):
+    """Two ranks run all_reduce #1; rank 1 never issues #2, rank 0 runs ``rank_0(comm, x,
+    stream)`` with ``stream`` stalled (so its #2 cannot complete). Rank 0's result."""
     cp = emu.cupy
     finished = threading.Event()
 
@@ -33,21 +35,29 @@ def test_watchdog_names_the_rank_that_never_arrived(run, emu):
             return "skipped"
         try:
             stream = cp.cuda.Stream(non_blocking=True)
-            emu.stall(stream)  # #2 cannot complete: rank 1 never issues it
-            started = time.monotonic()
-            comm.all_reduce(x, stream=stream)
-            assert _wait_until(lambda: comm.nccl_comm._status == "aborted")
-            assert 0.5 <= time.monotonic() - started < 4
-            with pytest.raises(CommTimeoutError) as info:
-                comm.all_reduce(x)
-            with pytest.raises(CommTimeoutError):
-                comm.synchronize()
-            return str(info.value)
+            emu.stall(stream)
+            return rank_0(comm, x, stream)
         finally:
             finished.set()
 
-    message, skipped = run(2, fn, timeout=0.5)
+    result, skipped = run(2, fn, timeout=timeout)
     assert skipped == "skipped"
+    return result
+
+
+def test_watchdog_names_the_rank_that_never_arrived(run, emu):
+    def rank_0(comm, x, stream):
+        started = time.monotonic()
+        comm.all_reduce(x, stream=stream)
+        assert _wait_until(lambda: comm.nccl_comm._status == "aborted")
+        assert 0.5 <= time.monotonic() - started < 4
+        with pytest.raises(CommTimeoutError) as info:
+            comm.all_reduce(x)
+        with pytest.raises(CommTimeoutError):
+            comm.synchronize()
+        return str(info.value)
+
+    message = _second_all_reduce_stalls(run, emu, rank_0, timeout=0.5)
     assert "rank 0: all_reduce #2 did not complete on GPU 0 within 0.5 s" in message, message
     assert "ranks that had not reached it: 1 (of 2)" in message, message
     assert "the communicator was aborted, create a new one" in message, message
@@ -263,6 +273,7 @@ def test_abort_never_frees_the_communicator_under_the_watchdogs_error_query(emu,
         assert not emu.errors, emu.errors[0]
     assert emu.calls["abort"] == 3
 
+
 def test_an_abort_that_waits_in_nccl_does_not_hold_up_the_failing_call(run, emu, monkeypatch):
     """Within a node NCCL's abort may wait until the node's other ranks abort too: the call
     whose failure aborts the communicator still raises after at most ABORT_WAIT, and the
@@ -270,19 +281,10 @@ def test_an_abort_that_waits_in_nccl_does_not_hold_up_the_failing_call(run, emu,
     from gpucoll.backends import nccl_runtime
 
     monkeypatch.setattr(nccl_runtime, "ABORT_WAIT", 0.3)
-    cp = emu.cupy
-    finished = threading.Event()
+    emu.abort_hold = threading.Event()  # NCCL's abort waits until this is set
 
-    def fn(comm):
-        x = cp.ones(16, dtype=cp.float32)
-        comm.all_reduce(x)  # #1 on both ranks
-        if comm.rank == 1:
-            assert finished.wait(10)  # never issues #2
-            return "skipped"
+    def rank_0(comm, x, stream):
         try:
-            emu.abort_hold = threading.Event()  # NCCL's abort now waits for rank 1's
-            stream = cp.cuda.Stream(non_blocking=True)
-            emu.stall(stream)
             comm.all_reduce(x, stream=stream)  # #2 cannot complete
             started = time.monotonic()
             with pytest.raises(CommTimeoutError, match=r"all_reduce #2 did not complete"):
@@ -295,12 +297,9 @@ def test_an_abort_that_waits_in_nccl_does_not_hold_up_the_failing_call(run, emu,
             assert _wait_until(lambda: comm.nccl_comm._status == "aborted")
             return took
         finally:
-            if emu.abort_hold is not None:
-                emu.abort_hold.set()
-            finished.set()
+            emu.abort_hold.set()
 
-    took, skipped = run(2, fn, timeout=10)
-    assert skipped == "skipped"
+    took = _second_all_reduce_stalls(run, emu, rank_0, timeout=10)
     assert took < 2.5, took  # 0.3 s to the timeout, 0.3 s for the abort; not the 30 s hold
     assert not emu.errors, emu.errors[0]
 
