@@ -83,20 +83,21 @@ class UnevenAllToAll:
         if not shape:
             raise ValueError("all_to_all_v: x must have at least one dimension (rows are "
                              "counted along the first axis), got a 0-d array")
-        ready = getattr(self, "_exact_all_to_all_v_ready", None)
+        exact_here = getattr(self, "_exact_all_to_all_v_ready", None)
+        ready = bool(exact_here and exact_here(view))  # this rank could take the exact path
         if counts is None:
             if send_counts is None:
                 raise TypeError("all_to_all_v: give send_counts (or counts, the whole count "
                                 "matrix)")
             send = self._check_send_counts(send_counts, shape[0])
-            matrix, exact = self._count_matrix(view, send, bool(ready and ready(view)))
+            matrix, exact = self._count_matrix(view, send, ready)
         else:
             matrix = self._check_count_matrix(counts, send_counts, shape[0])
             send = [int(c) for c in matrix[self.rank]]
             if getattr(self, "_debug", False):
-                _, exact = self._count_matrix(view, send, bool(ready and ready(view)), matrix)
+                _, exact = self._count_matrix(view, send, ready, matrix)
             else:
-                exact = bool(ready and ready(view))
+                exact = ready
         recv = [int(c) for c in matrix[:, self.rank]]
         longest = int(matrix.max())
         result = self._exact_all_to_all_v(view, matrix) if exact and longest else None
