@@ -115,18 +115,25 @@ def test_barrier_timeout_names_its_own_limit():
     assert message.endswith(f"(the limit is 0.5 s; {HINT})") and limit == 0.5
 
 
-def rank_late_for_barrier(comm):
+def rank_late_for_barrier(comm, limits, late_by):
     if comm.rank == 2:
-        time.sleep(3)
+        time.sleep(late_by)
         return None
     try:
-        comm.barrier(timeout=1)
+        comm.barrier(timeout=limits[comm.rank])
     except CommTimeoutError as exc:
         # stay up a while: a rank that timed out first and exited would close its sockets,
         # and a rank whose clock started later (load) would see that loss, not its own timeout
-        time.sleep(3)
+        time.sleep(late_by)
         return str(exc), exc.peer
     return "no timeout", None
+
+
+# Over sockets the dissemination barrier has rank 1 wait on rank 3 (which waits on rank 2).
+# A rank that times out aborts, and rank 1 would see rank 3's abort (a lost link) instead of
+# its own timeout whenever rank 3's clock started first: rank 3 gets 3 s against rank 1's 1 s,
+# so only a start skew of over 2 s could change which fault rank 1 sees.
+BARRIER_LIMITS = {"socket": ({0: 1, 1: 1, 3: 3}, 5), "auto": ({0: 1, 1: 1, 3: 1}, 3)}
 
 
 @pytest.mark.parametrize("transport", ["socket", "auto"])
@@ -134,14 +141,15 @@ def test_barrier_timeout_names_the_late_rank_not_the_one_it_waited_on(transport)
     """4 ranks, rank 2 late. Over sockets the dissemination barrier has rank 1 wait on rank 3
     (which waits on rank 2), over shared memory every rank sees who did not arrive; either
     way every on-time rank names rank 2, and only rank 2."""
-    results = run_ranks(rank_late_for_barrier, 4, timeout=60,
+    limits, late_by = BARRIER_LIMITS[transport]
+    results = run_ranks(rank_late_for_barrier, 4, limits, late_by, timeout=60,
                         env={"GPUCOLL_TRANSPORT": transport})
     for rank in (0, 1, 3):
         message, peer = results[rank]
         assert message.startswith(f"rank {rank}: barrier #1 timed out"), message
         named = re.findall(r"\[([\d, ]+)\]", message.partition(" (the limit")[0])
         assert named == ["2"] and peer == 2, message
-        assert message.endswith(f"(the limit is 1 s; {HINT})"), message
+        assert message.endswith(f"(the limit is {limits[rank]} s; {HINT})"), message
 
 
 def rank_init_timeout(rank, size, url):
