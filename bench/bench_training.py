@@ -5,6 +5,8 @@ Methods (``W`` workers each; a parameter server adds ``K`` server ranks on top):
 
 * ``ddp``        - Bucketer (ring / shared-memory all-reduce), SGD-momentum on every rank;
 * ``zero``       - ShardedOptimizer (ZeRO-1: reduce-scatter, shard update, all-gather);
+* ``fsdp``       - FullyShardedParameters (ZeRO-3: gather each layer forward and again
+  backward, prefetching the next, reduce-scatter its gradients, update the slices);
 * ``ps-sync-1``  - one synchronous parameter server; ``ps-sync-2`` - two (sharded);
 * ``ps-async-1`` - one asynchronous server, staleness bound 2.
 
@@ -37,7 +39,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-METHODS = {"ddp": (0, 0), "zero": (0, 0), "ps-sync-1": (1, 0), "ps-sync-2": (2, 0),
+METHODS = {"ddp": (0, 0), "zero": (0, 0), "fsdp": (0, 0), "ps-sync-1": (1, 0), "ps-sync-2": (2, 0),
            "ps-async-1": (1, 2)}   # name -> (servers, staleness)
 GLOBAL_BATCH = 64
 LR = 0.05
@@ -46,9 +48,10 @@ LR = 0.05
 # ---------------------------------------------------------------------------- one rank
 def child(args) -> int:
     import gpucoll
-    from gpucoll.ddp import (Bucketer, DistributedSampler, ShardedOptimizer, broadcast_parameters,
-                             make_optimizer)
+    from gpucoll.ddp import (Bucketer, DistributedSampler, FullyShardedParameters,
+                             ShardedOptimizer, broadcast_parameters, make_optimizer)
     from gpucoll.examples.train_digits import init_params, load_digits_split, loss_and_grads
+    from gpucoll.examples.train_fsdp import fsdp_logits, fsdp_loss_and_grads
     from gpucoll.ps import ParameterServer, PSWorker
 
     servers, staleness = METHODS[args.method]
@@ -81,6 +84,9 @@ def child(args) -> int:
     elif args.method == "zero":
         zero = ShardedOptimizer(group, params, "sgd", lr=LR)
         wire = zero.wire_bytes_per_step()
+    elif args.method == "fsdp":
+        fsdp = FullyShardedParameters(group, [params[i:i + 2] for i in range(0, len(params), 2)],
+                                      "sgd", lr=LR)
     else:
         worker = PSWorker(comm, params, num_servers=servers, staleness=staleness)
         before = worker.bytes_sent + worker.bytes_received
@@ -100,6 +106,10 @@ def child(args) -> int:
         elif args.method == "zero":
             loss_and_grads(params, x_train[batch], y_train[batch], on_grad=zero.mark_ready)
             zero.step()
+        elif args.method == "fsdp":
+            # each rank's mean loss, as loss_and_grads: step() averages over the ranks
+            fsdp_loss_and_grads(fsdp, x_train[batch], y_train[batch])
+            fsdp.step()
         else:
             _, _, grads = loss_and_grads(params, x_train[batch], y_train[batch])
             worker.push_pull(grads)
@@ -109,7 +119,12 @@ def child(args) -> int:
         group.barrier()      # every worker has pushed its last step
         worker.pull()
         worker.close()
-    _, correct, _ = loss_and_grads(params, x_test, y_test)
+    if args.method == "fsdp":
+        wire = fsdp.wire_bytes / args.steps
+        logits, _ = fsdp_logits(fsdp, x_test)
+        correct = int((logits.argmax(axis=1) == y_test).sum())
+    else:
+        _, correct, _ = loss_and_grads(params, x_test, y_test)
     result.update(role="worker", step_ms=1e3 * float(np.mean(times[args.warmup:])),
                   bytes_per_step=wire, accuracy=correct / len(x_test))
     _write(args.out, comm.rank, result)

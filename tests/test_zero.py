@@ -10,6 +10,7 @@ import pytest
 from gpucoll.ddp import Bucketer, DynamicLossScaler, ShardedOptimizer
 from gpucoll.examples.train_digits import init_params, loss_and_grads
 from mp_harness import RankPool, rank_pools
+from reference_training import SETTINGS, ReferenceOptimizer, rank_batch, training_data
 
 # ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
 _ONE_BLAS_THREAD = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -20,44 +21,17 @@ SIZES = [13, 17, 7]            # 13*17 + 17 + 17*7 + 7 = 364 floats: not a multi
 GLOBAL_BATCH = 12
 STEPS = 4
 CAPS = dict(first_bucket_cap_bytes=64, bucket_cap_bytes=512)   # several buckets
-SETTINGS = {"sgd": dict(lr=0.1, momentum=0.9), "adam": dict(lr=0.01)}
 
 
 pool = rank_pools([2, 3])
 
 
-class ReferenceOptimizer:
-    """Per-array NumPy SGD-momentum / Adam in float64 arithmetic: the independent answer."""
-
-    def __init__(self, name, params):
-        self.name, self.settings, self.t = name, SETTINGS[name], 0
-        self.m = [np.zeros(p.shape) for p in params]
-        self.v = [np.zeros(p.shape) for p in params]
-
-    def step(self, params, grads):
-        self.t += 1
-        for p, g, m, v in zip(params, grads, self.m, self.v):
-            g = g.astype(np.float64)
-            if self.name == "sgd":
-                m[...] = self.settings["momentum"] * m + g
-                p -= (self.settings["lr"] * m).astype(p.dtype)
-            else:
-                m[...] = 0.9 * m + 0.1 * g
-                v[...] = 0.999 * v + 0.001 * g * g
-                m_hat, v_hat = m / (1 - 0.9 ** self.t), v / (1 - 0.999 ** self.t)
-                p -= (self.settings["lr"] * m_hat / (np.sqrt(v_hat) + 1e-8)).astype(p.dtype)
-
-
 def _data():
-    rng = np.random.default_rng(11)
-    n = STEPS * GLOBAL_BATCH
-    return rng.standard_normal((n, SIZES[0])).astype(np.float32), rng.integers(0, SIZES[-1], n)
+    return training_data(SIZES, STEPS, GLOBAL_BATCH)
 
 
 def _batch(x, y, step, rank, size):
-    local = GLOBAL_BATCH // size
-    lo = step * GLOBAL_BATCH + rank * local
-    return x[lo:lo + local], y[lo:lo + local]
+    return rank_batch(x, y, step, rank, size, GLOBAL_BATCH)
 
 
 def train(comm, optimizer, mode):

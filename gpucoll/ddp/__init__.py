@@ -5,6 +5,8 @@
   :func:`broadcast_parameters` - copy rank 0's parameters everywhere.
 * :class:`ShardedOptimizer` - ZeRO stage 1: reduce-scatter gradients, update only this rank's
   shard (optimizer state is 1 / world_size of DDP's), all-gather the parameters.
+* :class:`FullyShardedParameters` - ZeRO stage 3 / FSDP: parameters, gradients and optimizer
+  state all sharded; a layer is all-gathered only while it computes (prefetch included).
 * :class:`SGD`, :class:`Adam` - element-wise optimizers written with the array module.
 * :class:`DynamicLossScaler` - mixed-precision loss scaling: skip on overflow on every rank
   together, back off, grow after clean steps.
@@ -20,9 +22,11 @@ from .loss_scaler import DynamicLossScaler
 from .metrics import all_reduce_metrics
 from .optim import SGD, Adam, make_optimizer
 from .sampler import DistributedSampler
+from .fsdp import FullyShardedParameters
 from .sharded import ShardedOptimizer
 from .sync_bn import SyncBatchNorm, sync_batch_stats
 
-__all__ = ["Bucketer", "broadcast_parameters", "plan_buckets", "ShardedOptimizer", "SGD", "Adam",
+__all__ = ["Bucketer", "broadcast_parameters", "plan_buckets", "ShardedOptimizer",
+           "FullyShardedParameters", "SGD", "Adam",
            "make_optimizer", "DynamicLossScaler", "DistributedSampler", "all_reduce_metrics",
            "sync_batch_stats", "SyncBatchNorm"]

@@ -23,7 +23,42 @@ from typing import Any, Dict
 
 import numpy as np
 
-__all__ = ["DynamicLossScaler"]
+from .. import kernels
+
+__all__ = ["DynamicLossScaler", "sharded_unscale_settings", "average_reduced_slices",
+           "agree_on_overflow"]
+
+
+def sharded_unscale_settings(xp: Any, loss_scale: Any, scaler: Any, check_finite: Any):
+    """For a sharded optimizer's step: the loss scale to divide by (the scaler's when given)
+    and a zeroed int32 inf / NaN flag, or None when nothing is to be checked (by default, the
+    check runs when unscaling)."""
+    if scaler is not None:
+        loss_scale = scaler.scale
+    check = (loss_scale is not None) if check_finite is None else check_finite
+    return loss_scale, (xp.zeros(1, dtype=np.int32) if check else None)
+
+
+def average_reduced_slices(comm: Any, slices, loss_scale: Any, found_inf: Any) -> None:
+    """Wait for each ``(work, reduced, grad)`` reduce-scatter and write ``reduced`` averaged
+    over the ranks (and unscaled, flagging inf / NaN in ``found_inf``) into ``grad``: one fused
+    unpack each, which also casts a narrower wire dtype back."""
+    for work, reduced, grad in slices:
+        work.wait()
+        kernels.unpack(reduced, [grad], scale=1.0 / comm.size, loss_scale=loss_scale,
+                       found_inf=found_inf)
+
+
+def agree_on_overflow(comm: Any, found_inf: Any, scaler: Any) -> bool:
+    """Whether any rank flagged inf / NaN in the slices it checked (one MAX all-reduce of the
+    flag: each rank saw only its own slices), and the scaler updated with that answer."""
+    overflow = False
+    if found_inf is not None:
+        comm.all_reduce(found_inf, op="max")
+        overflow = bool(int(found_inf[0]))
+    if scaler is not None:
+        scaler.update(overflow, agreed=True)
+    return overflow
 
 
 class DynamicLossScaler:

@@ -14,13 +14,14 @@ all-reduce works), but each rank keeps 1 / world_size of the optimizer state and
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
 from .. import kernels
 from .bucketer import MiB, _array_module, plan_buckets
+from .layout import check_same_layout, shapes_checksum
+from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
 from .optim import SGD, make_optimizer
 
 __all__ = ["ShardedOptimizer"]
@@ -107,20 +108,11 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------ layout
     def _check_layout(self, sizes: Sequence[int]) -> None:
         """All-gather (parameters, elements, buckets, shape checksum, itemsize) and compare."""
-        checksum = zlib.crc32(repr(self.shapes).encode()) & 0x7FFFFFFF
-        mine = np.array([len(self.params), sum(sizes), len(self._shards), checksum,
-                         self.dtype.itemsize], dtype=np.int64)
-        if self.comm.size == 1:
-            return
-        table = self.comm.all_gather(self.xp.asarray(mine))
-        table = table.get() if hasattr(table, "get") else np.asarray(table)
-        for rank, row in enumerate(table):
-            if not np.array_equal(row, mine):
-                diffs = ", ".join(f"{name} {int(a)} vs {int(b)}" for name, a, b
-                                  in zip(_LAYOUT_FIELDS, mine, row) if a != b)
-                raise ValueError(f"ShardedOptimizer: rank {self.comm.rank} and rank {rank} have "
-                                 f"different parameter layouts ({diffs}); every rank must pass "
-                                 f"the same parameter shapes and bucket caps")
+        check_same_layout(self.comm, "ShardedOptimizer", _LAYOUT_FIELDS,
+                          [len(self.params), sum(sizes), len(self._shards),
+                           shapes_checksum(self.shapes), self.dtype.itemsize],
+                          self.params[0], "every rank must pass the same parameter shapes and "
+                          "bucket caps")
 
     @property
     def buckets(self) -> List[List[int]]:
@@ -205,26 +197,15 @@ class ShardedOptimizer:
             self._reset()
             raise ValueError(f"gradients {missing} were not marked ready in this step; every "
                              f"rank must produce every gradient")
-        if scaler is not None:
-            loss_scale = scaler.scale
-        check = (loss_scale is not None) if check_finite is None else check_finite
-        self.found_inf = self.xp.zeros(1, dtype=np.int32) if check else None
+        loss_scale, self.found_inf = sharded_unscale_settings(self.xp, loss_scale, scaler,
+                                                              check_finite)
         try:
             self._issue_ready()
-            for shard in self._shards:
-                shard.work.wait()
-                kernels.unpack(shard.grad, [shard.grad], scale=1.0 / self.comm.size,
-                               loss_scale=loss_scale, found_inf=self.found_inf)
+            average_reduced_slices(self.comm, [(s.work, s.grad, s.grad) for s in self._shards],
+                                   loss_scale, self.found_inf)
         finally:
             self._reset()
-        overflow = False
-        if check:
-            # each rank checked only its own slices: agree before anyone steps
-            self.comm.all_reduce(self.found_inf, op="max")
-            overflow = bool(int(self.found_inf[0]))
-        if scaler is not None:
-            scaler.update(overflow, agreed=True)
-        if overflow:
+        if agree_on_overflow(self.comm, self.found_inf, scaler):
             self.skipped_steps += 1
             return False
         for number, shard in enumerate(self._shards):
