@@ -45,7 +45,7 @@ class _Unit:
     """One unit's layout, its slices on this rank, and what is in flight for it."""
 
     __slots__ = ("shapes", "sizes", "offsets", "chunk", "length", "param", "grad", "full",
-                 "gathering", "reducing", "wire_grad", "grad_buffer")
+                 "gathering", "reducing", "wire_param", "wire_grad", "grad_buffer")
 
     def __init__(self, arrays: Sequence[Any], itemsize: int, world: int):
         self.shapes = [tuple(int(d) for d in a.shape) for a in arrays]
@@ -56,6 +56,7 @@ class _Unit:
         self.param = self.grad = self.full = None
         self.gathering = self.reducing = None       # Work of the all-gather / reduce-scatter
         self.wire_grad = self.grad_buffer = None    # reduce-scatter output / input
+        self.wire_param = None   # all-gather input in the compute dtype, kept until it is done
 
     def views(self) -> List[Any]:
         return [self.full[o:o + n].reshape(s)
@@ -202,7 +203,8 @@ class FullyShardedParameters:
         """Bytes this object holds now: master slices, gradient slices, optimizer state, the
         units gathered and the gradient buffers of reductions in flight."""
         held = {id(a): a for u in self._units
-                for a in (u.param, u.grad, u.full, u.wire_grad, u.grad_buffer) if a is not None}
+                for a in (u.param, u.grad, u.full, u.wire_param, u.wire_grad,
+                          u.grad_buffer) if a is not None}
         return sum(int(a.nbytes) for a in held.values()) + self.state_bytes()
 
     def _count(self, unit: _Unit, dtype: np.dtype) -> None:
@@ -230,7 +232,7 @@ class FullyShardedParameters:
             if self.compute_dtype == self.dtype:
                 mine = unit.param
             else:
-                mine = self.xp.empty(unit.chunk, dtype=self.compute_dtype)
+                mine = unit.wire_param = self.xp.empty(unit.chunk, dtype=self.compute_dtype)
                 kernels.pack([unit.param], mine)                   # fused cast
             unit.full = self.xp.empty(unit.length, dtype=self.compute_dtype)
             self._count(unit, self.compute_dtype)
@@ -243,16 +245,20 @@ class FullyShardedParameters:
             try:
                 work.wait()
             except BaseException:
-                unit.full = None
+                unit.full = unit.wire_param = None
                 raise
+            unit.wire_param = None
         return unit.views()
 
     def release(self, index: int) -> None:
         """Free unit ``index``'s gathered parameters (waiting for a prefetch still running)."""
         unit = self._unit(index)
         work, unit.gathering, unit.full = unit.gathering, None, None
-        if work is not None:
-            work.wait()
+        try:
+            if work is not None:
+                work.wait()
+        finally:
+            unit.wire_param = None
 
     @contextlib.contextmanager
     def gathered(self, index: int) -> Iterator[List[Any]]:
