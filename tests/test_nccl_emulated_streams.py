@@ -169,6 +169,38 @@ def test_a_cuda_fault_is_named_at_once_not_reported_as_a_timeout(run, emu):
     assert run(1, fn) == [True]
 
 
+def test_an_error_raised_while_another_thread_aborts_waits_for_that_abort(run, emu):
+    """The watchdog fails the communicator and aborts it on its own thread; a call on the
+    user's thread that sees the failure meanwhile raises only once that abort has returned
+    (bounded), so "the communicator was aborted" is true when the error is read."""
+    cp = emu.cupy
+    emu.abort_hold = threading.Event()  # NCCL's abort waits until this is set
+
+    def fn(comm):
+        stream = cp.cuda.Stream(non_blocking=True)
+        x = cp.ones(4)
+        emu.stall(stream)
+        comm.all_reduce(x, stream=stream)
+        emu.inject_fault(stream, 700)
+        assert _wait_until(lambda: comm._failure is not None)
+        release = threading.Timer(0.3, emu.abort_hold.set)
+        release.start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(CommAbortedError, match="CUDA error 700"):
+                comm.all_reduce(x)
+            waited = time.monotonic() - started
+            assert comm.nccl_comm._status == "aborted"
+        finally:
+            release.cancel()
+            emu.abort_hold.set()
+        emu.release(stream)
+        return waited
+
+    [waited] = run(1, fn)
+    assert 0.1 < waited < 3, waited
+
+
 def test_a_cuda_fault_ends_a_host_wait_with_its_name(run, emu, monkeypatch):
     cp = emu.cupy
     monkeypatch.setenv("GPUCOLL_WATCHDOG_INTERVAL", "30")  # the host wait sees it first

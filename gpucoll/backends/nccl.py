@@ -1,10 +1,9 @@
 """NCCL backend: device arrays reduced and moved by NCCL through CuPy.
 
 Arrays
-    CuPy arrays, and anything exposing ``__cuda_array_interface__`` or DLPack (a torch CUDA
-    tensor, for instance) are used in place, without a copy; results allocated by gpucoll
-    (``all_gather`` without ``out=``...) come back in the caller's array type when its module
-    has ``from_dlpack``. Host arrays are refused with a ``TypeError``.
+    CuPy arrays and anything with ``__cuda_array_interface__`` or DLPack (a torch CUDA tensor)
+    are used in place; results gpucoll allocates come back in the caller's array type when its
+    module has ``from_dlpack``. Host arrays are refused with a ``TypeError``.
 
 Stream contract
     Every operation is enqueued on the caller's current CuPy stream, or on ``stream=``; gpucoll
@@ -16,18 +15,16 @@ Stream contract
 
 Which NCCL call
     all_reduce, broadcast, reduce, all_gather and reduce_scatter are NCCL's own collectives;
-    gather, scatter and all_to_all are grouped ``ncclSend``/``ncclRecv``; barrier is a one-element
-    all-reduce that the host waits for; split is ``ncclCommSplit``. ``ReduceOp.AVG`` is NCCL's
-    own average. NCCL reduces int8/uint8, int32/uint32, int64/uint64, float16, bfloat16, float32
-    and float64 (and complex SUM/AVG as pairs of floats); every dtype moves as bytes.
+    gather, scatter and all_to_all are grouped ``ncclSend``/``ncclRecv``; barrier is a waited
+    one-element all-reduce; split is ``ncclCommSplit``; AVG is NCCL's own average. NCCL reduces
+    (u)int8/32/64, float16, bfloat16, float32 and float64 (complex SUM/AVG as float pairs).
 
 Errors
-    Usage errors are raised before anything is enqueued. Every operation is followed by a
-    CUDA event that the watchdog (``gpucoll.backends.watchdog.Watchdog``) follows; on a timeout
-    or an asynchronous NCCL error the communicator is aborted and the next call raises
-    ``CommTimeoutError`` or ``CommAbortedError`` naming the op, its sequence number and the
-    ranks that had not reached it. Point-to-point messages have no tags in NCCL: ``tag`` is
-    checked for range and otherwise ignored; messages between two ranks match in order.
+    Usage errors are raised before anything is enqueued. The watchdog follows each operation's
+    CUDA event; on a timeout or an asynchronous NCCL error the communicator is aborted and the
+    next call raises ``CommTimeoutError`` or ``CommAbortedError`` naming the op, its sequence
+    number and the ranks that had not reached it. NCCL has no tags: ``tag`` is checked for
+    range and otherwise ignored; messages between two ranks match in order.
 """
 
 from __future__ import annotations
@@ -86,18 +83,16 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, Communicator):
         self._token, self._debug = token, debug
         self._watchdog_interval = watchdog_interval
         self._failure: Optional[Tuple[type, str]] = None
-        # events of the operations not complete when the communicator failed: NCCL's abort
-        # makes their kernels exit, so the events complete, but the results are not valid
-        self._unfinished: List[Any] = []
+        self._unfinished: List[Any] = []  # events of ops cut short by the failure's abort
         self._closed = False
         self._seq = 0
         self._p2p_seq = 0
         self._splits = 0
         self._shrinks = 0
         self._lock = threading.Lock()
-        # held around the watchdog's asynchronous-error query and around abort / destroy:
-        # ncclCommAbort and ncclCommDestroy free the communicator that a concurrent
-        # ncclCommGetAsyncError on the watchdog thread would still read (CuPy does not lock)
+        self._abort_done = threading.Event()  # set once the failing call's abort returned
+        # held around the watchdog's async-error query and abort / destroy: ncclCommAbort and
+        # ncclCommDestroy free the communicator a concurrent ncclCommGetAsyncError would read
         self._teardown = threading.Lock()
         self._publisher: Optional[threading.Thread] = None
         if _local is None:
@@ -185,22 +180,31 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, Communicator):
             raise CommAbortedError(f"rank {self.rank}: communicator is closed")
 
     def _error(self) -> GpucollError:
+        """The failure's error, once its (bounded) abort has returned: "aborted" is then so."""
+        self._abort_done.wait(nccl_runtime.ABORT_WAIT + 1.0)
         kind, message = self._failure
         if kind is CommTimeoutError:
             return CommTimeoutError(message, rank=self.rank)
         return CommAbortedError(message)
 
     def _fail(self, kind: str, message: str, pending: Optional[Pending]) -> None:
-        """Record the failure, tell the store, abort NCCL (stuck kernels exit). Idempotent."""
+        """Record the failure, tell the store, abort NCCL (stuck kernels exit). Idempotent: a
+        second caller returns once the first one's (bounded) abort has."""
         with self._lock:
-            if self._failure is not None:
-                return
-            error_type = CommTimeoutError if kind == "timeout" else CommAbortedError
-            if kind == "timeout":
-                message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
-            self._unfinished = self._unfinished_events()  # before the abort ends them
-            self._failure = (error_type, message)
-        nccl_runtime.abort_bounded(self.nccl_comm, self._teardown, self.device, self.rank)
+            first = self._failure is None
+            if first:
+                error_type = CommTimeoutError if kind == "timeout" else CommAbortedError
+                if kind == "timeout":
+                    message += "; GPUCOLL_TIMEOUT or init(timeout=) sets the limit"
+                self._unfinished = self._unfinished_events()  # before the abort ends them
+                self._failure = (error_type, message)
+        if not first:
+            self._abort_done.wait(nccl_runtime.ABORT_WAIT + 1.0)
+            return
+        try:
+            nccl_runtime.abort_bounded(self.nccl_comm, self._teardown, self.device, self.rank)
+        finally:
+            self._abort_done.set()
         # the store may be unreachable now (its host lost): a short budget, never a timeout
         best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
 
