@@ -145,17 +145,22 @@ def test_synchronize_timeout_aborts_the_communicator(run, emu):
     assert emu.calls["abort"] == 1
 
 
+def _faulted_all_reduce(comm, emu):
+    """all_reduce #1 enqueued on a stalled stream that then faults (CUDA error 700)."""
+    cp = emu.cupy
+    stream = cp.cuda.Stream(non_blocking=True)
+    x = cp.ones(4)
+    emu.stall(stream)
+    comm.all_reduce(x, stream=stream)
+    emu.inject_fault(stream, 700)
+    return stream, x
+
+
 def test_a_cuda_fault_is_named_at_once_not_reported_as_a_timeout(run, emu):
     """cudaEventQuery returns an error status without raising; a failed event is not "still
     running": the watchdog and a host wait both name the CUDA error."""
-    cp = emu.cupy
-
     def fn(comm):
-        stream = cp.cuda.Stream(non_blocking=True)
-        x = cp.ones(4)
-        emu.stall(stream)
-        comm.all_reduce(x, stream=stream)
-        emu.inject_fault(stream, 700)
+        stream, x = _faulted_all_reduce(comm, emu)
         started = time.monotonic()
         _wait_until(lambda: comm._failure is not None)
         assert time.monotonic() - started < 3  # the communicator's timeout is 10 s
@@ -173,15 +178,10 @@ def test_an_error_raised_while_another_thread_aborts_waits_for_that_abort(run, e
     """The watchdog fails the communicator and aborts it on its own thread; a call on the
     user's thread that sees the failure meanwhile raises only once that abort has returned
     (bounded), so "the communicator was aborted" is true when the error is read."""
-    cp = emu.cupy
     emu.abort_hold = threading.Event()  # NCCL's abort waits until this is set
 
     def fn(comm):
-        stream = cp.cuda.Stream(non_blocking=True)
-        x = cp.ones(4)
-        emu.stall(stream)
-        comm.all_reduce(x, stream=stream)
-        emu.inject_fault(stream, 700)
+        stream, x = _faulted_all_reduce(comm, emu)
         assert _wait_until(lambda: comm._failure is not None)
         release = threading.Timer(0.3, emu.abort_hold.set)
         release.start()
