@@ -58,9 +58,10 @@ class _Unit:
         self.wire_grad = self.grad_buffer = None    # reduce-scatter output / input
         self.wire_param = None   # all-gather input in the compute dtype, kept until it is done
 
-    def views(self) -> List[Any]:
-        return [self.full[o:o + n].reshape(s)
-                for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
+    def views(self, full: Any = None) -> List[Any]:
+        """The parameters' views of a flat buffer of this unit (default: the gathered one)."""
+        full = self.full if full is None else full
+        return [full[o:o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
 
 class FullyShardedParameters:
@@ -270,28 +271,16 @@ class FullyShardedParameters:
             self.release(index)
 
     def full_parameters(self) -> List[List[Any]]:
-        """Copies of every unit's full parameters in the parameters' dtype (for evaluation or
-        a checkpoint; with a compute dtype, the float32 master slices are what is gathered).
-        A collective: every rank calls it. Units gathered before stay gathered."""
+        """Copies of every unit's full parameters in the parameters' dtype, gathered from the
+        master slices (for evaluation or a checkpoint). A collective: every rank calls it.
+        Units gathered before stay gathered."""
         result = []
-        for index, unit in enumerate(self._units):
-            if self.compute_dtype != self.dtype:
-                result.append(self._master_copies(index))
-                continue
-            held = unit.full is not None
-            result.append([v.copy() for v in self.gather(index)])
-            if not held:
-                self.release(index)
+        for unit in self._units:   # the master slices, never a cast copy
+            full = self.xp.empty(unit.length, dtype=self.dtype)
+            self._count(unit, self.dtype)
+            self.comm.all_gather(unit.param, out=full.reshape(self.comm.size, unit.chunk))
+            result.append([view.copy() for view in unit.views(full)])
         return result
-
-    def _master_copies(self, index: int) -> List[Any]:
-        """Unit ``index`` at full precision: the master slices gathered (not the cast copy)."""
-        unit = self._units[index]
-        full = self.xp.empty(unit.length, dtype=self.dtype)
-        self._count(unit, self.dtype)
-        self.comm.all_gather(unit.param, out=full.reshape(self.comm.size, unit.chunk))
-        return [full[o:o + n].reshape(s).copy()
-                for o, n, s in zip(unit.offsets, unit.sizes, unit.shapes)]
 
     # ------------------------------------------------------------------ gradients and the step
     def reduce_gradients(self, index: int, grads: Sequence[Any]) -> None:
