@@ -472,7 +472,11 @@ def test_split_timeout_names_the_missing_rank_and_aborts(run, emu):
     assert emu.calls["commSplit"] == 0
 
 
-def test_nccl_refusing_a_split_aborts(run, emu):
+def test_nccl_refusing_a_split_aborts(run, emu, monkeypatch):
+    # the NCCL communicator is aborted behind gpucoll's back: a watchdog poll would find that
+    # first (as an asynchronous error) whenever it ran before the split; it waits 60 s here
+    monkeypatch.setenv("GPUCOLL_WATCHDOG_INTERVAL", "60")
+
     def fn(comm):
         comm.nccl_comm.abort()
         with pytest.raises(CommAbortedError, match=r"rank 0: split #1: NCCL refused the call"):
