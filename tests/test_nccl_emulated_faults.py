@@ -106,7 +106,8 @@ def test_asynchronous_nccl_error_aborts(run, emu):
     assert run(1, fn) == [True]
 
 
-def test_nccl_refusing_a_call_aborts(run, emu):
+def test_nccl_refusing_a_call_aborts(run, emu, monkeypatch):
+    monkeypatch.setenv("GPUCOLL_WATCHDOG_INTERVAL", "60")  # see the split case below
     cp = emu.cupy
 
     def fn(comm):
