@@ -14,6 +14,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 from .errors import CommAbortedError, UnsupportedOperationError
 from .composite import CompositeCollectives
 from .composite_alltoall import UnevenAllToAll
+from .sendrecv import SendRecv
 from .types import ReduceOp, check_op_dtype, wire_code
 from .work import Work
 
@@ -31,14 +32,15 @@ def _shape_of(x: Array) -> Tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-class Communicator(CompositeCollectives, UnevenAllToAll, abc.ABC):
+class Communicator(CompositeCollectives, UnevenAllToAll, SendRecv, abc.ABC):
     """A group of ``size`` ranks that run collectives together.
 
     Besides the collectives below, every backend has the object collectives and uneven
     gathers of :class:`gpucoll.composite.CompositeCollectives` (``broadcast_object``,
     ``all_gather_object``, ``gather_object``, ``scatter_object``, ``all_gather_v``,
     ``gather_v``) and the uneven ``all_to_all_v`` of
-    :class:`gpucoll.composite_alltoall.UnevenAllToAll`, built on these.
+    :class:`gpucoll.composite_alltoall.UnevenAllToAll`, built on these, and the point-to-point
+    ``sendrecv`` of :class:`gpucoll.sendrecv.SendRecv` (a send and a receive at once).
 
     Attributes:
         rank: this process's rank in the group, 0 <= rank < size.

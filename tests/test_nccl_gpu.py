@@ -3,8 +3,9 @@
 One GPU: every collective on a 1-rank communicator for every dtype and op, usage errors before
 anything is enqueued, the watchdog on a deliberately stalled stream, DLPack and torch tensors,
 asynchronous Work and streams. Two ranks on one GPU when NCCL >= 2.30 allows it
-(NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS capped), in real processes under a hard timeout;
-three such ranks, one SIGKILLed, for ``shrink()``.
+(NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS capped), in real processes under a hard timeout:
+the collectives, and a large ``sendrecv`` both ways at once; three such ranks, one SIGKILLed,
+for ``shrink()``.
 """
 
 import time
@@ -377,6 +378,34 @@ def test_two_ranks_on_one_gpu():
     np.testing.assert_array_equal(results[0]["p2p"], np.arange(5.0) * 2)
     assert results[1]["split"] == (0, 1) and "split" not in results[0]
     assert results[0]["empty"] == results[1]["empty"] == ((2, 0, 3), (2, 0))
+
+
+def _rank_sendrecv(rank, size, url):
+    import cupy
+
+    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=60)
+    try:
+        peer = 1 - rank
+        mine, theirs = (16 * 2 ** 20 + r for r in (rank, peer))  # 64 MiB of float32 each way
+        x = cupy.asarray(make_input(11, rank, (mine,), "float32"))
+        out = cupy.zeros(theirs, cupy.float32)
+        assert comm.sendrecv(x, peer, out, peer) is out  # both ranks send at once
+        back = cupy.zeros_like(x)
+        work = comm.sendrecv(out, peer, back, peer, async_op=True)  # and back again
+        assert work.synchronize() and work.result() is back
+        cupy.cuda.get_current_stream().synchronize()
+        return (bool((cupy.asnumpy(out) == make_input(11, peer, (theirs,), "float32")).all()),
+                bool((back == x).all()))
+    finally:
+        comm.close(timeout=30)
+
+
+@two_ranks
+def test_two_ranks_on_one_gpu_exchange_large_arrays_with_sendrecv():
+    """Both ranks send 64 MiB to each other at once: NCCL's send waits for its receiver, so
+    this completes only because each send is grouped with its receive."""
+    assert run_ranks(_rank_sendrecv, 2, init=False, env=MULTI_RANK_ENV, timeout=240) == \
+        [(True, True)] * 2
 
 
 def _rank_stalls(rank, size, url):

@@ -6,8 +6,9 @@ direction) when it is *issued*, in program order, and touches the wire only when
 in every queue it uses. Collectives use every channel; ``send``/``isend`` to rank p only
 "send to p", ``recv``/``irecv`` from p only "receive from p". So messages appear on each
 connection in issue order, asynchronous point-to-point transfers in opposite directions
-progress together (no deadlock when two ranks both isend a large array and then irecv), and
-a blocking collective issued after ``async_op`` work runs after it.
+progress together (no deadlock when two ranks both isend a large array and then irecv;
+``sendrecv`` is such an irecv and isend, waited together), and a blocking collective issued
+after ``async_op`` work runs after it.
 
 CuPy arrays (anything with ``__cuda_array_interface__``) are staged through host memory and
 the result is copied back into the device array, so several processes can share a GPU

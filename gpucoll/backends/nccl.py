@@ -15,7 +15,8 @@ Stream contract
 
 Which NCCL call
     all_reduce, broadcast, reduce, all_gather and reduce_scatter are NCCL's own collectives;
-    gather, scatter and all_to_all are grouped ``ncclSend``/``ncclRecv``; barrier is a waited
+    gather, scatter, all_to_all and sendrecv are grouped ``ncclSend``/``ncclRecv``
+    (:mod:`.nccl_grouped`), send and recv a lone ``ncclSend``/``ncclRecv``; barrier is a waited
     one-element all-reduce; split is ``ncclCommSplit``; AVG is NCCL's own average. NCCL reduces
     (u)int8/32/64, float16, bfloat16, float32 and float64 (complex SUM/AVG as float pairs).
 
@@ -47,6 +48,7 @@ from ..types import ReduceOp
 from . import nccl_runtime, signature
 from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
+from .nccl_grouped import GroupedPointToPoint
 from .nccl_progress import ProgressReports
 from .nccl_work import CudaWork
 from .watchdog import CudaFault, Pending, Watchdog, event_status
@@ -54,7 +56,7 @@ from .watchdog import CudaFault, Pending, Watchdog, event_status
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
 
-class NCCLCommunicator(ProgressReports, ExactAllToAllV, Communicator):
+class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Communicator):
     """Communicator over GPU arrays, one GPU per rank, NCCL underneath.
 
     Attributes (besides the Communicator ones):
@@ -388,29 +390,6 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, Communicator):
         return self._enqueue(
             "reduce_scatter", lambda s: comm.reduceScatter(src, dst, per_rank, dtype, reduce_op, s),
             stream, async_op, out, seq=seq, check=(x.dtype, x.shape, op))
-
-    def _grouped(self, sends: List[Tuple[int, int, int]], recvs: List[Tuple[int, int, int]],
-                 copies: List[Tuple[int, int, int]]) -> Callable[[int], None]:
-        """A launch of grouped sends/recvs ((ptr, nbytes, peer)) plus local device copies."""
-        comm, nccl, kind = self.nccl_comm, self._nccl, self._bytes_type
-        runtime = self._cupy.cuda.runtime
-
-        def launch(s: int) -> None:
-            for dst, src, nbytes in copies:
-                if nbytes:
-                    runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDeviceToDevice, s)
-            if not sends and not recvs:
-                return
-            nccl.groupStart()
-            try:
-                for ptr, nbytes, peer in sends:
-                    comm.send(ptr, nbytes, kind, peer, s)
-                for ptr, nbytes, peer in recvs:
-                    comm.recv(ptr, nbytes, kind, peer, s)
-            finally:
-                nccl.groupEnd()
-
-        return launch
 
     def _gather(self, x, root: int, out, stream=None):
         if self.rank == root:

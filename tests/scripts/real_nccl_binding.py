@@ -43,6 +43,9 @@ def rank_body(comm, seen):
             comm.send(cp.zeros(5), 1)
         else:
             comm.recv(cp.zeros(5), 0)
+        theirs = cp.zeros(3 + other, dtype=np.float32)  # 12 bytes from rank 0, 16 from rank 1
+        assert comm.sendrecv(cp.zeros(3 + comm.rank, dtype=np.float32), other, theirs,
+                             other) is theirs
         comm.barrier(timeout=10)
         child = comm.split(None if comm.rank == 0 else 7, key=3)
         if child is not None:

@@ -1,0 +1,51 @@
+"""The NCCL backend's grouped point-to-point launches, and ``sendrecv`` as one of them.
+
+NCCL runs the ``ncclSend`` and ``ncclRecv`` calls between one ``groupStart`` and ``groupEnd``
+as one operation, so none of them waits for another: that is how gather, scatter, all_to_all
+and the exact all_to_all_v move their blocks, and how ``sendrecv`` sends to one rank while it
+receives from another. Issued separately on one stream, a large ``ncclSend`` waits for its
+receiver, so neighbours in a ring that all send first would deadlock on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Tuple
+
+__all__ = ["GroupedPointToPoint"]
+
+
+class GroupedPointToPoint:
+    """Mixin of :class:`~gpucoll.backends.nccl.NCCLCommunicator` (uses its ``nccl_comm``,
+    ``_nccl``, ``_cupy``, ``_bytes_type`` and ``_enqueue``)."""
+
+    def _grouped(self, sends: List[Tuple[int, int, int]], recvs: List[Tuple[int, int, int]],
+                 copies: List[Tuple[int, int, int]]) -> Callable[[int], None]:
+        """A launch of grouped sends/recvs ((ptr, nbytes, peer)) plus local device copies."""
+        comm, nccl, kind = self.nccl_comm, self._nccl, self._bytes_type
+        runtime = self._cupy.cuda.runtime
+
+        def launch(s: int) -> None:
+            for dst, src, nbytes in copies:
+                if nbytes:
+                    runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDeviceToDevice, s)
+            if not sends and not recvs:
+                return
+            nccl.groupStart()
+            try:
+                for ptr, nbytes, peer in sends:
+                    comm.send(ptr, nbytes, kind, peer, s)
+                for ptr, nbytes, peer in recvs:
+                    comm.recv(ptr, nbytes, kind, peer, s)
+            finally:
+                nccl.groupEnd()
+
+        return launch
+
+    def _sendrecv(self, x: Any, dst: int, out: Any, src: int, tag: int, async_op: bool,
+                  stream: Any = None) -> Any:
+        """One group of one ``ncclSend`` of ``x`` and one ``ncclRecv`` into ``out``, enqueued as
+        one point-to-point operation: one event, one ``CudaWork`` (the stream contract of
+        every NCCL operation). A timeout names ``src``, whose data it waits for."""
+        launch = self._grouped([(x.data.ptr, x.nbytes, dst)], [(out.data.ptr, out.nbytes, src)],
+                               [])
+        return self._enqueue("sendrecv", launch, stream, async_op, out, peer=src)

@@ -1,0 +1,111 @@
+"""``sendrecv`` on the NCCL backend over the CUDA emulation (tests/emulated_cuda/): one
+``groupStart`` / ``ncclSend`` / ``ncclRecv`` / ``groupEnd`` per call, with the right pointers,
+byte counts and peers; values in a ring; its ``CudaWork``; arrays handed back.
+
+The emulation runs a lone ``ncclSend`` until its receiver takes the message, as NCCL does with
+a large one, so a ring in which every rank sends first completes only when each send is
+grouped with its receive. Ranks are threads (see tests/nccl_emulated_harness.py).
+"""
+
+import collections
+import threading
+
+import numpy as np
+import pytest
+
+from gpucoll.backends.nccl import CudaWork
+
+from nccl_emulated_harness import _calls, _Foreign, emu, run  # noqa: F401
+
+pytestmark = pytest.mark.timeout(60)
+
+GROUPED = ["groupStart", "send", "recv", "groupEnd"]
+
+
+@pytest.fixture
+def traced(emu, monkeypatch):
+    """thread id -> the NCCL calls (group brackets, sends, receives) that thread made."""
+    log = collections.defaultdict(list)
+
+    def tracing(name, real):
+        def call(*args, **kwargs):
+            log[threading.get_ident()].append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("groupStart", "groupEnd"):
+        monkeypatch.setattr(emu.nccl, name, tracing(name, getattr(emu.nccl, name)))
+    for name in ("send", "recv"):
+        comm_type = emu.nccl.NcclCommunicator
+        monkeypatch.setattr(comm_type, name, tracing(name, getattr(comm_type, name)))
+    return log
+
+
+def _message(rank, n):
+    """What ``rank`` sends: shape and dtype its own, so a rank's x and out differ."""
+    dtype = ("float32", "int64", "uint8")[rank % 3]
+    return (np.arange(6 + rank) + 100 * rank).astype(dtype).reshape(1, 6 + rank)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_each_sendrecv_is_one_group_of_one_send_and_one_receive(run, emu, traced, n):
+    cp = emu.cupy
+
+    def fn(comm):
+        r = comm.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        x = cp.asarray(_message(r, n))
+        got = {}
+        for name, dst, src in (("from left", right, left), ("from right", left, right)):
+            out = cp.zeros(_message(src, n).shape, dtype=_message(src, n).dtype)
+            before = len(traced[threading.get_ident()])
+            assert comm.sendrecv(x, dst, out, src, tag=3) is out
+            assert traced[threading.get_ident()][before:] == GROUPED
+            (_, sent), (_, received) = _calls(emu, comm)[-2:]
+            assert (sent["ptr"], sent["nbytes"], sent["peer"]) == (x.data.ptr, x.nbytes, dst)
+            assert (received["ptr"], received["nbytes"], received["peer"]) == \
+                (out.data.ptr, out.nbytes, src)
+            assert sent["datatype"] == received["datatype"] == emu.nccl.NCCL_UINT8
+            got[name] = out.get()
+        return got, comm._seq, comm._p2p_seq
+
+    for r, (got, seq, p2p_seq) in enumerate(run(n, fn)):
+        np.testing.assert_array_equal(got["from left"], _message((r - 1) % n, n))
+        np.testing.assert_array_equal(got["from right"], _message((r + 1) % n, n))
+        assert (seq, p2p_seq) == (0, 2)  # one point-to-point number per call, no collective one
+
+
+def test_async_sendrecv_is_a_cuda_work(run, emu):
+    cp = emu.cupy
+
+    def fn(comm):
+        peer = 1 - comm.rank
+        stream = cp.cuda.Stream()
+        out = cp.zeros(4, dtype=cp.float64)
+        work = comm.sendrecv(cp.arange(4, dtype=cp.float64) + 10 * comm.rank, peer, out, peer,
+                             async_op=True, stream=stream)
+        assert isinstance(work, CudaWork) and (work.op, work.seq) == ("sendrecv", 1)
+        assert work.wait() is True  # orders the current stream after the exchange
+        assert work.synchronize() and work.is_completed() and work.exception() is None
+        assert work.result() is out
+        return out.get()
+
+    results = run(2, fn)
+    np.testing.assert_array_equal(results[0], np.arange(4.0) + 10)
+    np.testing.assert_array_equal(results[1], np.arange(4.0))
+
+
+def test_arrays_come_back_as_the_caller_passed_them(run, emu):
+    cp = emu.cupy
+
+    def fn(comm):
+        peer = 1 - comm.rank
+        out = _Foreign(cp.zeros(3, dtype=cp.int32))
+        result = comm.sendrecv(_Foreign(cp.full(3, comm.rank + 5, dtype=cp.int32)), peer, out,
+                               peer)
+        work = comm.sendrecv(cp.full(2, comm.rank, dtype=cp.int16), peer,
+                             _Foreign(cp.zeros(2, dtype=cp.int16)), peer, async_op=True)
+        return result is out, out._array.get().tolist(), type(work.result()).__name__
+
+    for r, (same, values, work_type) in enumerate(run(2, fn)):
+        assert same and values == [6 - r] * 3 and work_type == "_Foreign"
