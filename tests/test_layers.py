@@ -22,7 +22,7 @@ LAYERS = {
     "default_comm": 0, "orphan_guard": 0,
     "rendezvous": 1, "transports": 2, "algorithms": 3, "backends": 4, "api": 5,
 }
-TOP = 6  # launch, perf, topo, doctor, cli, ddp, tp, ep, pp, ps, examples, __main__
+TOP = 6  # launch, perf, topo, doctor, cli, ddp, tp, ep, pp, cp, ps, examples, __main__
 
 
 def _module_name(path: Path) -> str:

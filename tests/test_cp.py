@@ -1,0 +1,336 @@
+"""Context-parallel attention: ring and Ulysses outputs and gradients equal one process's full
+attention (a float64 NumPy reference written here) at 2, 3 and 4 ranks, causal or not, for
+both shardings; the messages each sends; the causal work per rank; 16-bit inputs; usage
+errors before anything is sent; ranks that disagree."""
+
+import os
+
+import numpy as np
+import pytest
+
+import gpucoll
+from gpucoll.cp import (RingAttention, UlyssesAttention, sequence_positions, sequence_segments,
+                        shard_sequence, unshard_sequence)
+from gpucoll.cp.blockwise import visible_pairs
+from mp_harness import rank_pools, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+# ranks share the cores: one BLAS thread each
+_ONE_BLAS = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+
+BATCH, SEQ, HEADS, DIM = 2, 24, 12, 5     # SEQ splits into 2p chunks and HEADS into p, p <= 4
+LAYERS = {"ring": RingAttention, "ulysses": UlyssesAttention}
+
+pool = rank_pools([2, 3, 4], env=_ONE_BLAS)
+
+
+def _inputs(dtype=np.float64, seq=SEQ, seed=5):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((BATCH, seq, HEADS, DIM)).astype(dtype) for _ in range(4)]
+
+
+def reference_attention(q, k, v, grad_out, causal, scale=None):
+    """Softmax attention over the whole sequence and its gradients, float64, (b, s, h, d)."""
+    q, k, v, g = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, grad_out))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.swapaxes(-1, -2) * scale
+    if causal:
+        seq = scores.shape[-1]
+        scores = np.where(np.tril(np.ones((seq, seq), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs @ v
+    dv = probs.swapaxes(-1, -2) @ g
+    dprobs = g @ v.swapaxes(-1, -2)
+    dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
+    dq, dk = dscores @ k * scale, dscores.swapaxes(-1, -2) @ q * scale
+    return [x.transpose(0, 2, 1, 3) for x in (out, dq, dk, dv)]
+
+
+class Counting:
+    """The communicator, recording each sendrecv / all_to_all and the bytes it sent."""
+
+    def __init__(self, comm):
+        self._comm, self.calls = comm, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if name in ("sendrecv", "all_to_all", "all_reduce", "all_gather", "send", "isend",
+                    "broadcast", "reduce_scatter"):
+            def counted(x, *args, **kwargs):
+                self.calls.append((name, x.nbytes))
+                return attr(x, *args, **kwargs)
+            return counted
+        return attr
+
+
+def rank_attention(comm, layer, causal, sharding, dtype=np.float64):
+    counting = Counting(comm)
+    attention = LAYERS[layer](counting, causal=causal, sharding=sharding)
+    q, k, v, grad = (shard_sequence(x, comm.rank, comm.size, sharding)
+                     for x in _inputs(dtype))
+    out = attention.forward(q, k, v)
+    forward_calls = list(counting.calls)
+    grads = attention.backward(grad)
+    backward_calls = counting.calls[len(forward_calls):]
+    return ([out] + list(grads), forward_calls, backward_calls, dict(attention.sent_bytes),
+            (q.dtype, out.dtype, grads[0].dtype))
+
+
+def _check_against_reference(per_rank, sharding, causal, rtol, atol):
+    want = reference_attention(*_inputs(), causal)
+    for index, name in enumerate(("out", "dq", "dk", "dv")):
+        got = unshard_sequence([arrays[index] for arrays, *_ in per_rank], sharding)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want[index], rtol=rtol,
+                                   atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_equals_full_attention_in_one_process(pool, layer, causal, sharding):
+    per_rank = pool.run(rank_attention, layer, causal, sharding)
+    _check_against_reference(per_rank, sharding, causal, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_float32_inputs_stay_float32(pool, layer):
+    per_rank = pool.run(rank_attention, layer, True, "zigzag", np.float32)
+    assert all(dtypes == (np.float32,) * 3 for *_, dtypes in per_rank)
+    _check_against_reference(per_rank, "zigzag", True, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_16_bit_inputs_are_computed_in_float32_and_returned_in_their_type(pool, dtype_name):
+    if dtype_name == "bfloat16":
+        dtype = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    else:
+        dtype = np.dtype(np.float16)
+    per_rank = pool.run(rank_attention, "ring", True, "zigzag", dtype)
+    assert all(dtypes == (dtype,) * 3 for *_, dtypes in per_rank)
+    # the inputs themselves are rounded: compare with the reference on the rounded inputs
+    rounded = [np.asarray(x.astype(dtype), np.float64) for x in _inputs()]
+    want = reference_attention(*rounded, True)
+    tolerance = 2e-2 if dtype_name == "bfloat16" else 3e-3
+    for index in range(4):
+        got = unshard_sequence([arrays[index] for arrays, *_ in per_rank], "zigzag")
+        scale = np.abs(want[index]).max()
+        assert np.abs(np.asarray(got, np.float64) - want[index]).max() <= tolerance * scale
+
+
+def test_ring_messages_per_step(pool):
+    """Forward: p - 1 exchanges of one rank's k and v; backward: as many again, and p of the
+    key/value gradient; nothing else; sent_bytes agrees."""
+    n = pool.world_size
+    per_rank = pool.run(rank_attention, "ring", True, "zigzag")
+    block = 2 * BATCH * (SEQ // n) * HEADS * DIM * 8
+    for _, forward, backward, sent, _ in per_rank:
+        assert forward == [("sendrecv", block)] * (n - 1)
+        kinds = sorted(backward)
+        assert kinds == [("sendrecv", block)] * (2 * n - 1)   # float64: gradients as big
+        assert sent == {"forward": (n - 1) * block, "backward": (2 * n - 1) * block}
+
+
+def test_ring_gradients_travel_in_float32_for_16_bit_inputs(pool):
+    n = pool.world_size
+    per_rank = pool.run(rank_attention, "ring", False, "contiguous", np.float16)
+    block16 = 2 * BATCH * (SEQ // n) * HEADS * DIM * 2
+    for _, forward, backward, sent, _ in per_rank:
+        assert forward == [("sendrecv", block16)] * (n - 1)
+        assert sorted(backward) == sorted([("sendrecv", block16)] * (n - 1)
+                                          + [("sendrecv", 2 * block16)] * n)
+
+
+def test_ulysses_messages(pool):
+    """Two all-to-alls each way: q, k, v packed, then the output; the output gradient, then
+    dq, dk, dv packed."""
+    n = pool.world_size
+    per_rank = pool.run(rank_attention, "ulysses", True, "contiguous")
+    one = BATCH * (SEQ // n) * HEADS * DIM * 8
+    for _, forward, backward, sent, _ in per_rank:
+        assert forward == [("all_to_all", 3 * one), ("all_to_all", one)]
+        assert backward == [("all_to_all", one), ("all_to_all", 3 * one)]
+        assert sent == {"forward": 4 * one * (n - 1) // n, "backward": 4 * one * (n - 1) // n}
+
+
+# ---------------------------------------------------------------------------- sharding
+@pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_shard_and_unshard_are_inverse(size, sharding):
+    x = np.arange(2 * 24 * 3).reshape(2, 24, 3)
+    parts = [shard_sequence(x, rank, size, sharding) for rank in range(size)]
+    assert all(part.flags.c_contiguous and part.shape == (2, 24 // size, 3) for part in parts)
+    np.testing.assert_array_equal(unshard_sequence(parts, sharding), x)
+    positions = np.concatenate([sequence_positions(24, rank, size, sharding)
+                                for rank in range(size)])
+    np.testing.assert_array_equal(np.sort(positions), np.arange(24))
+    for rank in range(size):
+        np.testing.assert_array_equal(parts[rank][0, :, 0] // 3,
+                                      sequence_positions(24, rank, size, sharding))
+
+
+def test_zigzag_pairs_an_early_chunk_with_a_late_one():
+    assert sequence_segments(16, 1, 4, "zigzag") == [(2, 2), (12, 2)]
+    assert sequence_segments(16, 0, 4, "zigzag") == [(0, 2), (14, 2)]
+    assert sequence_segments(16, 3, 4, "contiguous") == [(12, 4)]
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_zigzag_balances_causal_work_and_contiguous_does_not(size):
+    """Blocks of work per rank over a ring pass (segment pairs with a visible key)."""
+    def work(sharding):
+        total = 16 * size
+        segments = [[(0, start, length) for start, length in
+                     sequence_segments(total, rank, size, sharding)] for rank in range(size)]
+        return [sum(visible_pairs(segments[rank], segments[other], True)
+                    for other in range(size)) for rank in range(size)]
+
+    assert work("contiguous") == list(range(1, size + 1))
+    zigzag = work("zigzag")
+    assert len(set(zigzag)) == 1 and zigzag[0] == 2 * size + 1
+
+
+def test_sharding_errors():
+    with pytest.raises(ValueError, match="zigzag sharding over 4 ranks needs a sequence length "
+                                         "divisible by 8, got 12"):
+        sequence_segments(12, 0, 4, "zigzag")
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        sequence_segments(12, 0, 4, "striped")
+    with pytest.raises(ValueError, match="rank 4 is out of range for 4 ranks"):
+        sequence_positions(16, 4, 4)
+    with pytest.raises(ValueError, match="rank 1's part has 3 tokens, rank 0's 4"):
+        unshard_sequence([np.zeros((1, 4)), np.zeros((1, 3))])
+
+
+# ---------------------------------------------------------------------------- one rank, errors
+class SilentComm:
+    """A communicator of ``size`` ranks that fails the test if anything is sent."""
+
+    memory = "host"
+
+    def __init__(self, rank=0, size=2):
+        self.rank, self.size = rank, size
+
+    def __getattr__(self, name):
+        raise AssertionError(f"{name} was called: something was sent")
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_rank_is_plain_attention(layer, causal):
+    q, k, v, grad = _inputs()
+    attention = LAYERS[layer](SilentComm(0, 1), causal=causal, scale=0.3)
+    got = [attention.forward(q, k, v)] + list(attention.backward(grad))
+    for have, want in zip(got, reference_attention(q, k, v, grad, causal, scale=0.3)):
+        np.testing.assert_allclose(have, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_bad_inputs_are_refused_before_anything_is_sent(layer):
+    attention = LAYERS[layer](SilentComm(), causal=True, sharding="zigzag")
+    q = np.zeros((1, 4, 2, 3))
+    name = LAYERS[layer].__name__
+    cases = [
+        (ValueError, r"q must be \(batch, local_seq, heads, head_dim\), got shape \(4, 2, 3\)",
+         lambda: attention.forward(q[0], q, q)),
+        (ValueError, r"q, k and v must have one shape, got \(1, 4, 2, 3\), \(1, 4, 2, 3\), \(1, 2, 2, 3\)",
+         lambda: attention.forward(q, q, q[:, :2])),
+        (TypeError, "q, k and v must have one dtype, got float64, float64, float32",
+         lambda: attention.forward(q, q, q.astype(np.float32))),
+        (TypeError, "q, k and v must be floating point, got int32",
+         lambda: attention.forward(*[q.astype(np.int32)] * 3)),
+        (ValueError, "zigzag sharding over 2 ranks needs a sequence length divisible by 4, "
+                     "got 6 \\(3 tokens on each of 2 ranks\\)", lambda: attention.forward(*[np.zeros((1, 3, 2, 3))] * 3)),
+        (ValueError, r"q, k and v must have no empty axis, got shape \(0, 4, 2, 3\)", lambda: attention.forward(*[np.zeros((0, 4, 2, 3))] * 3)),
+        (RuntimeError, r"backward\(\) called before forward\(\)",
+         lambda: attention.backward(q)),
+    ]
+    if layer == "ulysses":
+        cases.append((ValueError, "3 heads are not divisible by the context-parallel group "
+                                  "size 2", lambda: attention.forward(*[np.zeros((1, 4, 3, 2))] * 3)))
+    for error, message, call in cases:
+        with pytest.raises(error, match=f"{name}: {message}"):
+            call()
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        LAYERS[layer](SilentComm(), sharding="striped")
+    with pytest.raises(ValueError, match="scale must be a positive number, got -1"):
+        LAYERS[layer](SilentComm(), scale=-1)
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_backward_needs_the_forwards_output_shape_and_runs_once(layer):
+    q, k, v, grad = _inputs(seq=8)
+    attention = LAYERS[layer](SilentComm(0, 1))
+    attention.forward(q, k, v)
+    with pytest.raises(ValueError, match=r"grad_out has shape \(2, 7, 12, 5\), the forward's "
+                                         r"output \(2, 8, 12, 5\)"):
+        attention.backward(grad[:, :7])
+    attention.backward(grad)
+    with pytest.raises(RuntimeError, match="called before forward"):
+        attention.backward(grad)
+
+
+# ---------------------------------------------------------------------------- disagreement
+def rank_with_its_own_length(comm, layer):
+    seq = 4 if comm.rank else 6
+    q, k, v, _ = _inputs(seq=seq)
+    try:
+        LAYERS[layer](comm).forward(q, k, v)
+        return "finished"
+    except gpucoll.GpucollError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_ranks_with_different_sequence_lengths_get_an_error_not_a_hang(layer):
+    messages = run_ranks(rank_with_its_own_length, 2, layer, timeout=60,
+                         env=dict(_ONE_BLAS, GPUCOLL_TIMEOUT="10"))
+    for rank, message in enumerate(messages):
+        assert message.startswith("CollectiveMismatchError"), message
+        assert f"rank {rank}" in message
+
+
+# ---------------------------------------------------------------------------- on a GPU
+def _cupy_attention(comm, layer):
+    """CuPy arrays; the exchanges on a stream of their own where the backend is NCCL."""
+    import cupy
+
+    attention = LAYERS[layer](comm, causal=True, sharding="zigzag")
+    q, k, v, grad = (cupy.asarray(shard_sequence(x, comm.rank, comm.size, "zigzag"))
+                     for x in _inputs())
+    out = attention.forward(q, k, v)
+    grads = attention.backward(grad)
+    assert all(isinstance(a, cupy.ndarray) for a in [out, *grads])
+    return [cupy.asnumpy(a) for a in [out, *grads]], dict(attention.sent_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_cupy_arrays_over_the_cpu_backend(layer):
+    per_rank = run_ranks(_cupy_attention, 2, layer, timeout=120, env=_ONE_BLAS)
+    _check_against_reference([(arrays, None) for arrays, _ in per_rank], "zigzag", True,
+                             rtol=1e-10, atol=1e-12)
+
+
+def _nccl_attention(rank, size, url, layer):
+    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=60)
+    try:
+        result = _cupy_attention(comm, layer)
+        comm.synchronize()
+        return result
+    finally:
+        comm.close(timeout=30)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_over_nccl_two_ranks_on_one_gpu(layer):
+    from test_nccl_gpu import MULTI_RANK_ENV, _nccl_version
+
+    if _nccl_version() < 23000:
+        pytest.skip(f"two ranks on one GPU need NCCL >= 2.30 (found code {_nccl_version()})")
+    per_rank = run_ranks(_nccl_attention, 2, layer, init=False, env=MULTI_RANK_ENV,
+                         timeout=240)
+    _check_against_reference([(arrays, None) for arrays, _ in per_rank], "zigzag", True,
+                             rtol=1e-10, atol=1e-12)
