@@ -284,11 +284,17 @@ def rank_with_its_own_length(comm, layer):
 
 @pytest.mark.parametrize("layer", ["ring", "ulysses"])
 def test_ranks_with_different_sequence_lengths_get_an_error_not_a_hang(layer):
+    """Rank 0 holds 6 tokens, rank 1 holds 4: the first exchange's sizes differ (ring: k and
+    v, 1920 bytes a token; Ulysses: q, k and v, 2880) and both ranks are told both sizes (the
+    rank that did not see it first quotes its peer's report if the link went first)."""
     messages = run_ranks(rank_with_its_own_length, 2, layer, timeout=60,
                          env=dict(_ONE_BLAS, GPUCOLL_TIMEOUT="10"))
+    per_token = 1920 if layer == "ring" else 2880
     for rank, message in enumerate(messages):
-        assert message.startswith("CollectiveMismatchError"), message
+        assert message.startswith(("CollectiveMismatchError", "PeerError")), message
         assert f"rank {rank}" in message
+        assert f"{6 * per_token} bytes" in message and f"{4 * per_token} bytes" in message, \
+            message
 
 
 # ---------------------------------------------------------------------------- on a GPU

@@ -2,11 +2,11 @@
 
 The context-parallel layers never hold the whole ``S x S`` score matrix: queries meet keys one
 segment pair at a time (see :mod:`gpucoll.cp.sharding` for segments), and the softmax is
-accumulated online (running maximum, sum of exponentials, weighted values), the way blockwise /
-flash attention does. A block's result is ``(out, lse)``: the output normalized over the keys
-seen so far and the log-sum-exp of their scores, so results over disjoint key sets merge
-exactly (:func:`merge`). Backward recomputes each block's probabilities from the final
-``lse``, so it needs only ``q, k, v``, the output and ``lse``.
+accumulated online in a :class:`RunningSoftmax` (largest score, sum of exponentials, weighted
+values), the way blockwise / flash attention does, over as many blocks of keys as arrive (ring
+attention folds in one rank's keys per step). Its result is ``(out, lse)``: the output and the
+log-sum-exp of every score of the row. Backward recomputes each block's probabilities from
+that ``lse``, so it needs only ``q, k, v``, the output and ``lse``.
 
 Arrays here are ``(batch, heads, seq, head_dim)`` in the compute dtype (float32 for 16-bit
 inputs); segments are ``(local offset, first global position, length)``. With ``causal`` a query
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
-__all__ = ["attend", "attend_backward", "merge", "visibility", "visible_pairs"]
+__all__ = ["RunningSoftmax", "attend", "attend_backward", "visibility", "visible_pairs"]
 
 LocalSegment = Tuple[int, int, int]  # (offset in the local array, first global position, length)
 
@@ -56,22 +56,35 @@ def _rows(x: Any, seg: LocalSegment) -> Any:
     return x[:, :, seg[0]:seg[0] + seg[2]]
 
 
-def attend(q: Any, k: Any, v: Any, q_segs: Sequence[LocalSegment],
-           k_segs: Sequence[LocalSegment], causal: bool, scale: float,
-           xp: Any) -> Optional[Tuple[Any, Any]]:
-    """``(out, lse)`` of ``q`` over the keys of ``k_segs``, or None when every pair is hidden.
+class RunningSoftmax:
+    """Every query row's running softmax over the keys seen so far: the largest score, the sum
+    of exponentials (relative to it) and the values weighted by them; :meth:`finish` gives
+    ``(out, lse)``."""
 
-    Rows that see no key get ``out = 0`` and ``lse = -inf`` (they merge as nothing).
-    """
-    batch, heads, rows, _ = q.shape
-    out = xp.zeros_like(q)
-    lse = xp.full((batch, heads, rows), -xp.inf, dtype=q.dtype)
+    def __init__(self, q: Any, xp: Any):
+        self.xp = xp
+        self.largest = xp.full(q.shape[:3], -xp.inf, dtype=q.dtype)
+        self.total = xp.zeros(q.shape[:3], dtype=q.dtype)
+        self.weighted = xp.zeros_like(q)
+
+    def finish(self) -> Tuple[Any, Any]:
+        """``(out, lse)``: rows that saw no key get ``out = 0`` and ``lse = -inf``."""
+        xp = self.xp
+        seen = self.total > 0
+        total = xp.where(seen, self.total, 1)
+        shift = xp.where(xp.isneginf(self.largest), 0, self.largest)
+        return self.weighted / total[..., None], xp.where(seen, shift + xp.log(total), -xp.inf)
+
+
+def attend(q: Any, k: Any, v: Any, q_segs: Sequence[LocalSegment],
+           k_segs: Sequence[LocalSegment], causal: bool, scale: float, xp: Any,
+           state: RunningSoftmax) -> bool:
+    """Fold the keys of ``k_segs`` into ``state``, the running softmax of ``q``'s rows;
+    False when every pair is hidden (nothing was done)."""
     any_visible = False
     for q_seg in q_segs:
         qi = _rows(q, q_seg)
-        running_max = xp.full(qi.shape[:3], -xp.inf, dtype=q.dtype)
-        total = xp.zeros(qi.shape[:3], dtype=q.dtype)
-        weighted = xp.zeros_like(qi)
+        rows = slice(q_seg[0], q_seg[0] + q_seg[2])
         for k_seg in k_segs:
             mask = _mask(q_seg, k_seg, causal, xp)
             if mask is False:
@@ -80,38 +93,28 @@ def attend(q: Any, k: Any, v: Any, q_segs: Sequence[LocalSegment],
             scores = (qi @ _rows(k, k_seg).swapaxes(-1, -2)) * scale
             if mask is not None:
                 scores = xp.where(mask, scores, -xp.inf)
-            new_max = xp.maximum(running_max, scores.max(axis=-1))
-            shift = xp.where(xp.isneginf(new_max), 0, new_max)
+            largest = state.largest[:, :, rows]
+            new_largest = xp.maximum(largest, scores.max(axis=-1))
+            shift = xp.where(xp.isneginf(new_largest), 0, new_largest)
             probs = xp.exp(scores - shift[..., None])
-            decay = xp.exp(running_max - shift)
-            total = total * decay + probs.sum(axis=-1)
-            weighted = weighted * decay[..., None] + probs @ _rows(v, k_seg)
-            running_max = new_max
-        seen = total > 0
-        safe_total = xp.where(seen, total, 1)
-        shift = xp.where(xp.isneginf(running_max), 0, running_max)
-        out[:, :, q_seg[0]:q_seg[0] + q_seg[2]] = weighted / safe_total[..., None]
-        lse[:, :, q_seg[0]:q_seg[0] + q_seg[2]] = xp.where(seen, shift + xp.log(safe_total),
-                                                           -xp.inf)
-    return (out, lse) if any_visible else None
-
-
-def merge(out: Any, lse: Any, block_out: Any, block_lse: Any, xp: Any) -> None:
-    """Fold a block's ``(out, lse)`` into the running ``(out, lse)`` in place."""
-    new_lse = xp.logaddexp(lse, block_lse)
-    shift = xp.where(xp.isneginf(new_lse), 0, new_lse)
-    out *= xp.exp(lse - shift)[..., None]
-    out += block_out * xp.exp(block_lse - shift)[..., None]
-    lse[...] = new_lse
+            decay = xp.exp(largest - shift)
+            state.total[:, :, rows] = state.total[:, :, rows] * decay + probs.sum(axis=-1)
+            state.weighted[:, :, rows] = (state.weighted[:, :, rows] * decay[..., None]
+                                          + probs @ _rows(v, k_seg))
+            state.largest[:, :, rows] = new_largest
+    return any_visible
 
 
 def attend_backward(q: Any, k: Any, v: Any, grad_out: Any, lse: Any, delta: Any,
                     q_segs: Sequence[LocalSegment], k_segs: Sequence[LocalSegment],
-                    causal: bool, scale: float, xp: Any) -> Optional[List[Any]]:
+                    causal: bool, scale: float, xp: Any,
+                    into: Optional[Sequence[Any]] = None) -> Optional[List[Any]]:
     """``[dq, dk, dv]`` of this block (queries ``q`` against keys ``k_segs``), given the
     whole attention's ``lse`` and ``delta = sum(grad_out * out, -1)``; None when every pair
-    is hidden."""
-    dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
+    is hidden. With ``into`` (three arrays shaped like q, k, v) the block's gradients are
+    added to those instead (no new arrays; ring attention accumulates over its steps)."""
+    dq, dk, dv = (xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)) if into is None \
+        else into
     shift = xp.where(xp.isneginf(lse), 0, lse)
     any_visible = False
     for q_seg in q_segs:

@@ -2,7 +2,7 @@
 
 Every rank holds its tokens' ``q, k, v``. Forward takes ``p`` steps: at step s rank r attends
 with its queries to the keys and values of rank ``r - s`` (its own at step 0) and merges the
-block's softmax statistics into its running output, while that block goes on to rank ``r + 1``
+block into its queries' running softmax, while that block goes on to rank ``r + 1``
 and the next arrives from ``r - 1`` (one ``sendrecv`` per step, posted before the block's math
 so the two overlap). No rank ever holds more than two ranks' keys and values, or a score
 matrix larger than its own tokens times one block's.
@@ -11,9 +11,10 @@ Backward runs the ring again: the keys and values go round once more, and with e
 travels the gradient of its keys and values, to which each rank adds its share before passing
 it on; after ``p`` steps it arrives home complete. The queries' gradient stays local.
 
-Wire, per rank and step: ``(p - 1) * 2 * S/p * H * D`` elements forward (in the inputs'
-dtype); backward as much again plus ``p * 2 * S/p * H * D`` elements of key/value gradient (in
-the compute dtype, float32 for 16-bit inputs, so the sum over the ring is not rounded p times).
+Wire per rank, with a block of ``2 * batch * S/p * H * D`` elements (its keys and values):
+``p - 1`` blocks forward, in the inputs' dtype; backward ``p - 1`` blocks again plus ``p`` of
+key/value gradient, in the compute dtype (float32 for 16-bit inputs, so the sum over the ring
+is not rounded p times).
 
 With ``causal=True`` blocks entirely in a query's future are skipped (no work); with
 ``sharding="contiguous"`` that leaves rank 0 one block and rank p - 1 all p, so use
@@ -29,7 +30,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .base import ContextParallelAttention
-from .blockwise import attend, attend_backward, merge
+from .blockwise import RunningSoftmax, attend, attend_backward
 
 __all__ = ["RingAttention"]
 
@@ -81,7 +82,7 @@ class RingAttention(ContextParallelAttention):
     # ------------------------------------------------------------------ forward
     def forward(self, q: Any, k: Any, v: Any) -> Any:
         """This rank's output ``(batch, local_seq, heads, head_dim)`` for its queries over
-        every rank's keys and values; ``2 (p - 1)`` messages (one per step and direction)."""
+        every rank's keys and values; ``p - 1`` exchanges with the neighbours."""
         xp, compute = self._check_inputs(q, k, v)
         comm, size = self.comm, self.comm.size
         total, scale = int(q.shape[1]) * size, self._scale(int(q.shape[3]))
@@ -90,21 +91,19 @@ class RingAttention(ContextParallelAttention):
         blocks = xp.stack([self.to_heads_first(k, q.dtype, xp),
                            self.to_heads_first(v, q.dtype, xp)])     # (2, b, h, s, d) on the wire
         own, inbox = blocks, _Inboxes(blocks, xp)
-        out = xp.zeros_like(queries)
-        lse = xp.full(out.shape[:3], -xp.inf, dtype=compute)
+        softmax = RunningSoftmax(queries, xp)
         sent = 0
         for step in range(size):
             source = (comm.rank - step) % size
             work = self._exchange(blocks, inbox[step], KV_TAG) if step < size - 1 else None
             sent += blocks.nbytes if work is not None else 0
-            block = attend(queries, blocks[0].astype(compute, copy=False),
-                           blocks[1].astype(compute, copy=False), mine,
-                           self.local_segments(total, source), self.causal, scale, xp)
-            if block is not None:
-                merge(out, lse, *block, xp)
+            attend(queries, blocks[0].astype(compute, copy=False),
+                   blocks[1].astype(compute, copy=False), mine,
+                   self.local_segments(total, source), self.causal, scale, xp, softmax)
             if work is not None:
                 work.wait()
                 blocks = inbox[step]
+        out, lse = softmax.finish()
         self.sent_bytes = {"forward": sent, "backward": 0}
         self._saved = dict(shape=tuple(q.shape), dtype=q.dtype, xp=xp, queries=queries, own=own,
                            out=out, lse=lse, total=total, scale=scale, compute=compute)
@@ -112,8 +111,8 @@ class RingAttention(ContextParallelAttention):
 
     # ------------------------------------------------------------------ backward
     def backward(self, grad_out: Any):
-        """``(dq, dk, dv)`` for this rank's tokens, each like its input; ``2 (p - 1)``
-        key/value messages and ``2 p`` gradient messages."""
+        """``(dq, dk, dv)`` for this rank's tokens, each like its input; ``p - 1`` exchanges
+        of keys and values and ``p`` of their gradient."""
         saved = self._saved_for(grad_out, "grad_out")
         comm, size = self.comm, self.comm.size
         xp, compute, scale = saved["xp"], saved["compute"], saved["scale"]
@@ -134,14 +133,10 @@ class RingAttention(ContextParallelAttention):
             if grads_work is not None:            # the block's gradient so far, from before
                 grads_work.wait()
                 travelling, arriving = arriving, travelling
-            block = attend_backward(queries, blocks[0].astype(compute, copy=False),
-                                    blocks[1].astype(compute, copy=False), grad, saved["lse"],
-                                    delta, mine, self.local_segments(total, source),
-                                    self.causal, scale, xp)
-            if block is not None:
-                dq += block[0]
-                travelling[0] += block[1]
-                travelling[1] += block[2]
+            attend_backward(queries, blocks[0].astype(compute, copy=False),
+                            blocks[1].astype(compute, copy=False), grad, saved["lse"], delta,
+                            mine, self.local_segments(total, source), self.causal, scale, xp,
+                            into=(dq, travelling[0], travelling[1]))
             if size > 1:
                 grads_work = self._exchange(travelling, arriving, GRAD_TAG)
                 sent += travelling.nbytes

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .base import ContextParallelAttention
-from .blockwise import attend, attend_backward
+from .blockwise import RunningSoftmax, attend, attend_backward
 
 __all__ = ["UlyssesAttention"]
 
@@ -45,7 +45,7 @@ class UlyssesAttention(ContextParallelAttention):
     def __init__(self, comm, *, causal: bool = False, sharding: str = "contiguous",
                  scale: Optional[float] = None):
         super().__init__(comm, causal=causal, sharding=sharding, scale=scale)
-        self.sent_bytes_step = 0   # bytes sent so far in the running forward or backward
+        self._sent_so_far = 0   # bytes sent so far in the running forward or backward
 
     def _heads_per_rank(self, heads: int) -> int:
         if heads % self.comm.size:
@@ -62,7 +62,7 @@ class UlyssesAttention(ContextParallelAttention):
         blocks = xp.ascontiguousarray(
             packed.reshape(n, batch, seq, size, local, dim).transpose(3, 0, 1, 2, 4, 5))
         if size > 1:
-            self.sent_bytes_step += blocks.nbytes * (size - 1) // size
+            self._sent_so_far += blocks.nbytes * (size - 1) // size
             blocks = self.comm.all_to_all(blocks)             # block j: rank j's tokens
         return xp.ascontiguousarray(blocks.transpose(1, 2, 4, 0, 3, 5)).reshape(
             n, batch, local, size * seq, dim)
@@ -75,7 +75,7 @@ class UlyssesAttention(ContextParallelAttention):
         blocks = xp.ascontiguousarray(
             packed.reshape(n, batch, local, size, seq, dim).transpose(3, 0, 1, 4, 2, 5))
         if size > 1:
-            self.sent_bytes_step += blocks.nbytes * (size - 1) // size
+            self._sent_so_far += blocks.nbytes * (size - 1) // size
             blocks = self.comm.all_to_all(blocks)             # block j: rank j's heads
         return xp.ascontiguousarray(blocks.transpose(1, 2, 3, 0, 4, 5)).reshape(
             n, batch, seq, size * local, dim)
@@ -91,12 +91,14 @@ class UlyssesAttention(ContextParallelAttention):
         xp, compute = self._check_inputs(q, k, v)
         self._heads_per_rank(int(q.shape[2]))
         total, scale = int(q.shape[1]) * self.comm.size, self._scale(int(q.shape[3]))
-        self.sent_bytes_step = 0
+        self._sent_so_far = 0
         qkv = self._tokens_to_heads(xp.stack([q, k, v]), xp).astype(compute, copy=False)
         segments = self._segments(total)
-        out, lse = attend(qkv[0], qkv[1], qkv[2], segments, segments, self.causal, scale, xp)
+        softmax = RunningSoftmax(qkv[0], xp)
+        attend(qkv[0], qkv[1], qkv[2], segments, segments, self.causal, scale, xp, softmax)
+        out, lse = softmax.finish()
         result = self._heads_to_tokens(out.astype(q.dtype, copy=False)[None], xp)[0]
-        self.sent_bytes = {"forward": self.sent_bytes_step, "backward": 0}
+        self.sent_bytes = {"forward": self._sent_so_far, "backward": 0}
         self._saved = dict(shape=tuple(q.shape), dtype=q.dtype, xp=xp, qkv=qkv, out=out,
                            lse=lse, total=total, scale=scale, compute=compute)
         return result
@@ -105,7 +107,7 @@ class UlyssesAttention(ContextParallelAttention):
         """``(dq, dk, dv)`` for this rank's tokens, each like its input; two all-to-alls."""
         saved = self._saved_for(grad_out, "grad_out")
         xp, compute, qkv = saved["xp"], saved["compute"], saved["qkv"]
-        self.sent_bytes_step = 0
+        self._sent_so_far = 0
         grad = self._tokens_to_heads(xp.ascontiguousarray(grad_out)[None], xp)[0]
         grad = grad.astype(compute, copy=False)
         delta = (grad * saved["out"]).sum(axis=-1)
@@ -115,5 +117,5 @@ class UlyssesAttention(ContextParallelAttention):
         packed = xp.stack(grads).astype(saved["dtype"], copy=False)
         dq, dk, dv = self._heads_to_tokens(packed, xp)
         self.sent_bytes = {"forward": self.sent_bytes["forward"],
-                           "backward": self.sent_bytes_step}
+                           "backward": self._sent_so_far}
         return dq, dk, dv
