@@ -11,7 +11,7 @@ import pytest
 import gpucoll
 from gpucoll.cp import (RingAttention, UlyssesAttention, sequence_positions, sequence_segments,
                         shard_sequence, unshard_sequence)
-from gpucoll.cp.blockwise import visible_pairs
+from gpucoll.cp.blockwise import TILE_SCORES, visible_pairs
 from mp_harness import rank_pools, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,7 +65,18 @@ class Counting:
         return attr
 
 
-def rank_attention(comm, layer, causal, sharding, dtype=np.float64):
+def rank_attention(comm, layer, causal, sharding, dtype=np.float64, tile=None):
+    from gpucoll.cp import blockwise
+
+    if tile is not None:        # this rank process's tiles: a few rows each
+        blockwise.TILE_SCORES = tile
+    try:
+        return _attention_counted(comm, layer, causal, sharding, dtype)
+    finally:
+        blockwise.TILE_SCORES = TILE_SCORES
+
+
+def _attention_counted(comm, layer, causal, sharding, dtype):
     counting = Counting(comm)
     attention = LAYERS[layer](counting, causal=causal, sharding=sharding)
     q, k, v, grad = (shard_sequence(x, comm.rank, comm.size, sharding)
@@ -92,6 +103,14 @@ def _check_against_reference(per_rank, sharding, causal, rtol, atol):
 def test_equals_full_attention_in_one_process(pool, layer, causal, sharding):
     per_rank = pool.run(rank_attention, layer, causal, sharding)
     _check_against_reference(per_rank, sharding, causal, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_tiles_of_a_few_query_rows_give_the_same_result(pool, layer):
+    """Score tiles of 300 elements: 2 to 4 rows of a segment at a time, diagonal pairs cut
+    into visible, masked and hidden tiles."""
+    per_rank = pool.run(rank_attention, layer, True, "zigzag", np.float64, 300)
+    _check_against_reference(per_rank, "zigzag", True, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("layer", ["ring", "ulysses"])

@@ -52,6 +52,20 @@ def _mask(q_seg: LocalSegment, k_seg: LocalSegment, causal: bool, xp: Any):
     return q_pos[:, None] >= k_pos[None, :]
 
 
+TILE_SCORES = 1 << 20  # score elements per tile: a few MB per temporary, so they stay in cache
+
+
+def _tiles(q: Any, q_segs: Sequence[LocalSegment],
+           k_segs: Sequence[LocalSegment]) -> List[LocalSegment]:
+    """``q_segs`` cut into runs of rows whose scores against one key segment take at most
+    :data:`TILE_SCORES` elements (the element-wise softmax work is bound by memory, and a
+    tile's temporaries then stay in cache; a tile of a diagonal pair may also be hidden)."""
+    widest = max((seg[2] for seg in k_segs), default=1)
+    rows = max(1, TILE_SCORES // max(1, q.shape[0] * q.shape[1] * widest))
+    return [(offset + at, start + at, min(rows, length - at))
+            for offset, start, length in q_segs for at in range(0, length, rows)]
+
+
 def _rows(x: Any, seg: LocalSegment) -> Any:
     return x[:, :, seg[0]:seg[0] + seg[2]]
 
@@ -82,7 +96,7 @@ def attend(q: Any, k: Any, v: Any, q_segs: Sequence[LocalSegment],
     """Fold the keys of ``k_segs`` into ``state``, the running softmax of ``q``'s rows;
     False when every pair is hidden (nothing was done)."""
     any_visible = False
-    for q_seg in q_segs:
+    for q_seg in _tiles(q, q_segs, k_segs):
         qi = _rows(q, q_seg)
         rows = slice(q_seg[0], q_seg[0] + q_seg[2])
         for k_seg in k_segs:
@@ -117,7 +131,7 @@ def attend_backward(q: Any, k: Any, v: Any, grad_out: Any, lse: Any, delta: Any,
         else into
     shift = xp.where(xp.isneginf(lse), 0, lse)
     any_visible = False
-    for q_seg in q_segs:
+    for q_seg in _tiles(q, q_segs, k_segs):
         qi, gi = _rows(q, q_seg), _rows(grad_out, q_seg)
         lse_i, delta_i = _rows(shift, q_seg)[..., None], _rows(delta, q_seg)[..., None]
         for k_seg in k_segs:
