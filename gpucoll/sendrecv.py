@@ -131,7 +131,7 @@ class SendRecv:
     size: int
 
     def sendrecv(self, x: Any, dst: int, out: Any, src: int, *, tag: int = 0,
-                 async_op: bool = False, stream: Any = None):
+                 recv_tag: Optional[int] = None, async_op: bool = False, stream: Any = None):
         """Send ``x`` to rank ``dst`` and receive into ``out`` from rank ``src``, at once.
 
         Neither half waits for the other, so a ring of ranks that all exchange with their
@@ -144,7 +144,10 @@ class SendRecv:
             out: where to receive, with the shape and dtype of what ``src`` sends (it may
                 differ from ``x``'s); must not be ``x`` or share memory with it.
             src: the rank to receive from; not this rank. May be ``dst`` (two ranks).
-            tag: both halves' tag; the receiver's must match, as for ``send`` / ``recv``.
+            tag: the send's tag (and the receive's, unless ``recv_tag`` is given); the
+                receiver's must match, as for ``send`` / ``recv``.
+            recv_tag: the tag the receive expects, when it differs from the send's (MPI's
+                ``sendtag`` / ``recvtag``).
             async_op: return a ``Work`` instead of blocking.
             stream: GPU backends: the CUDA stream to enqueue on, as for ``all_reduce``.
 
@@ -182,15 +185,16 @@ class SendRecv:
             raise ValueError("sendrecv: out must not be x or share memory with it (no "
                              "in-place exchange); pass a separate receive buffer")
         tag = self._tag(tag)
-        return self._hand_back(self._sendrecv(x, dst, out, src, tag, async_op, stream),
-                               out, out_in)
+        recv_tag = tag if recv_tag is None else self._tag(recv_tag)
+        return self._hand_back(self._sendrecv(x, dst, out, src, tag, async_op, stream,
+                                              recv_tag), out, out_in)
 
     def _sendrecv(self, x: Any, dst: int, out: Any, src: int, tag: int, async_op: bool,
-                  stream: Any = None):
+                  stream: Any = None, recv_tag: Optional[int] = None):
         """Backend hook. By default the backend's asynchronous receive, then its asynchronous
         send, as one :class:`PairWork` (waited here unless ``async_op``); a backend whose
         operations are stream-ordered (NCCL) overrides it with one launch."""
-        receiving = self._recv(out, src, tag, True, stream)
+        receiving = self._recv(out, src, tag if recv_tag is None else recv_tag, True, stream)
         try:
             sending = self._send(x, dst, tag, True, stream)
         except CommAbortedError as aborted:  # perhaps by the receive, failed already: say why

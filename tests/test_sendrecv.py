@@ -142,6 +142,18 @@ def rank_matches_send_and_recv(comm, arr):
     return got.tolist()
 
 
+def rank_own_tags(comm, arr):
+    """Each rank sends with its own tag and expects its left neighbour's (``recv_tag``)."""
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return None
+    right, left = (r + 1) % n, (r - 1) % n
+    out = arr.zeros((3,), "int64")
+    comm.sendrecv(arr.dev(np.full(3, r, np.int64)), right, out, left, tag=100 + r,
+                  recv_tag=100 + left)
+    return arr.host(out).tolist()
+
+
 def rank_mismatch(comm, arr, kind):
     from gpucoll import GpucollError
 
@@ -231,6 +243,15 @@ def test_matches_plain_send_and_recv(pool):
     assert pending == (False, None)
     assert received == [7, 8, 9] and got == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert all(result is None for result in results[2:])
+
+
+def test_send_and_receive_tags_may_differ(pool):
+    results = pool.run(rank_own_tags)
+    n = pool.world_size
+    if n == 1:
+        assert results == [None]
+        return
+    assert results == [[(r - 1) % n] * 3 for r in range(n)]
 
 
 @pytest.mark.parametrize("kind", ["tag", "size"])

@@ -9,7 +9,7 @@ receiver, so neighbours in a ring that all send first would deadlock on the GPU.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 __all__ = ["GroupedPointToPoint"]
 
@@ -42,7 +42,7 @@ class GroupedPointToPoint:
         return launch
 
     def _sendrecv(self, x: Any, dst: int, out: Any, src: int, tag: int, async_op: bool,
-                  stream: Any = None) -> Any:
+                  stream: Any = None, recv_tag: Optional[int] = None) -> Any:
         """One group of one ``ncclSend`` of ``x`` and one ``ncclRecv`` into ``out``, enqueued as
         one point-to-point operation: one event, one ``CudaWork`` (the stream contract of
         every NCCL operation). A timeout names ``src``, whose data it waits for."""
