@@ -1,9 +1,14 @@
 """The pipeline executor: one training step over ``M`` micro-batches on ``P`` stages, one rank
 of a communicator per stage (rank ``s`` runs stage ``s``).
 
-Activations go forward and gradients backward with ``isend`` / ``irecv``; a receive is posted
-before it is needed and a send never blocks the schedule, so neighbours cannot deadlock
-whatever order their actions interleave in. Messages carry the tag
+Activations go forward and gradients backward. After each action, its output (to one
+neighbour) and the next action's input (from one neighbour) go as one ``sendrecv`` (an
+``isend`` or ``irecv`` where there is only one of them), the pairing of Megatron's
+``send_forward_recv_backward``: on a stream-ordered backend (NCCL), where a send finishes only
+once its receiver is at the matching receive, no stage then waits on a neighbour that waits on
+it, for either schedule and any number of stages and micro-batches (``tests/test_pp_order.py``
+checks the issue order under that rule); the CPU backend progresses both halves on their own
+threads, so a send never blocks the schedule there either. Messages carry the tag
 ``(2 (pass M + m) + direction) mod 2**32`` (``pass`` counts this pipeline's steps and
 evaluations, ``m`` the micro-batch, direction 0 forward / 1 backward), so a rank that runs a
 different step or schedule from its neighbour fails with ``CollectiveMismatchError`` instead
@@ -192,36 +197,59 @@ class Pipeline:
         rows_per = rows // self.micro_batches
         scale = 1.0 / rows
         prev, nxt = self.index - 1, self.index + 1
-        received: Dict[int, Tuple[Any, Any]] = {}   # micro-batch -> (Work, buffer): inputs
-        grads_in: Dict[int, Tuple[Any, Any]] = {}   # micro-batch -> (Work, buffer): gradients
         loss_grads: Dict[int, Any] = {}             # last stage: loss gradient per micro-batch
         sends: List[Tuple[Any, Any]] = []           # (Work, array kept alive until sent)
         loss_sum, correct = 0.0, 0
 
-        def post_input(m: int) -> None:
-            if not self.is_first and m < self.micro_batches and m not in received:
-                buffer = xp.empty((rows_per, stage.in_features), dtype=stage.dtype)
-                received[m] = (comm.irecv(buffer, prev, tag=self._tag(m, FORWARD)), buffer)
+        def incoming(action: Optional[Tuple[str, int]]):
+            """(peer, buffer, tag) of what ``action`` receives before it runs, or None."""
+            if action is None:
+                return None
+            kind, m = action
+            if kind == "F" and not self.is_first:
+                return (prev, xp.empty((rows_per, stage.in_features), dtype=stage.dtype),
+                        self._tag(m, FORWARD))
+            if kind == "B" and not self.is_last:
+                return (nxt, xp.empty((rows_per, stage.out_features), dtype=stage.dtype),
+                        self._tag(m, BACKWARD))
+            return None
 
-        def take(pending: Dict[int, Tuple[Any, Any]], m: int) -> Any:
-            work, buffer = pending.pop(m)
+        def exchange(outgoing, action: Optional[Tuple[str, int]]):
+            """Post this action's output and the next action's input as one operation; the
+            (Work, buffer) of that input, or None."""
+            want = incoming(action)
+            if outgoing is not None:
+                array, peer, tag = outgoing
+                array = xp.ascontiguousarray(array, dtype=stage.dtype)
+                if want is None:
+                    sends.append((comm.isend(array, peer, tag=tag), array))
+                    return None
+                src, buffer, recv_tag = want
+                work = comm.sendrecv(array, peer, buffer, src, tag=tag, recv_tag=recv_tag,
+                                     async_op=True)
+                sends.append((work, array))
+                return work, buffer
+            if want is None:
+                return None
+            src, buffer, recv_tag = want
+            return comm.irecv(buffer, src, tag=recv_tag), buffer
+
+        def take(pending) -> Any:
+            work, buffer = pending
             work.wait()
             return buffer
 
-        def send(array: Any, peer: int, m: int, direction: int) -> None:
-            array = xp.ascontiguousarray(array, dtype=stage.dtype)
-            sends.append((comm.isend(array, peer, tag=self._tag(m, direction)), array))
-
         try:
-            post_input(0)
-            for kind, m in actions:
+            pending = exchange(None, actions[0] if actions else None)
+            for index, (kind, m) in enumerate(actions):
+                received = take(pending) if pending is not None else None
+                outgoing = None
                 if kind == "F":
                     if self.is_first:
                         x = xp.ascontiguousarray(
                             xp.asarray(inputs[m * rows_per:(m + 1) * rows_per]), dtype=stage.dtype)
                     else:
-                        x = take(received, m)
-                        post_input(m + 1)
+                        x = received
                     y = stage.forward(x) if training else stage.predict(x)
                     if self.is_last:
                         batch_labels = xp.asarray(labels[m * rows_per:(m + 1) * rows_per])
@@ -230,16 +258,14 @@ class Pipeline:
                         if training:
                             loss_grads[m] = grad
                     else:
-                        send(y, nxt, m, FORWARD)
-                        if training:
-                            buffer = xp.empty((rows_per, stage.out_features), dtype=stage.dtype)
-                            grads_in[m] = (comm.irecv(buffer, nxt, tag=self._tag(m, BACKWARD)),
-                                           buffer)
+                        outgoing = (y, nxt, self._tag(m, FORWARD))
                 else:
-                    grad = loss_grads.pop(m) if self.is_last else take(grads_in, m)
+                    grad = loss_grads.pop(m) if self.is_last else received
                     grad_input = stage.backward(grad)
                     if not self.is_first:
-                        send(grad_input, prev, m, BACKWARD)
+                        outgoing = (grad_input, prev, self._tag(m, BACKWARD))
+                following = actions[index + 1] if index + 1 < len(actions) else None
+                pending = exchange(outgoing, following)
                 sends = [entry for entry in sends if not _finished(entry[0])]
             for work, _ in sends:
                 work.wait()
