@@ -228,14 +228,15 @@ class AllToAll(Collective):
 
 
 class SendRecv(Collective):
-    """Rank r sends to r+1 and receives from r-1 (a ring shift), as nccl-tests' sendrecv."""
+    """Rank r sends to r+1 and receives from r-1 (a ring shift), as nccl-tests' sendrecv: one
+    ``comm.sendrecv`` (on NCCL one group, as nccl-tests issues it; an ``isend`` then ``recv``
+    on one stream would deadlock there once messages outgrow NCCL's buffers)."""
 
     name, modes, gloo_mode = "sendrecv", ("out",), "out"
 
     def run(self, comm, bufs, mode, op, root):
-        work = comm.isend(bufs.send, (comm.rank + 1) % comm.size)
-        comm.recv(bufs.recv, (comm.rank - 1) % comm.size)
-        work.wait()
+        comm.sendrecv(bufs.send, (comm.rank + 1) % comm.size, bufs.recv,
+                      (comm.rank - 1) % comm.size)
 
     def expected(self, seed, rank, nranks, bufs, op, root, start, stop):
         return pattern(seed, (rank - 1) % nranks, stop - start, bufs.recv.dtype, None, start)
