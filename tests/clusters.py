@@ -346,3 +346,15 @@ def make_cluster(name: str, world_size: int):
     return cluster
 
 
+def cluster_pools(clusters=None):
+    """A module-scoped ``pool`` fixture over ``clusters`` (default: all of them), each started
+    once for the module and closed after it. Use as ``pool = cluster_pools()`` at module level."""
+    @pytest.fixture(scope="module", params=[pytest.param(c, marks=cluster_marks(c))
+                                            for c in (CLUSTERS if clusters is None else clusters)],
+                    ids=cluster_id)
+    def pool(request):
+        cluster = make_cluster(*request.param)
+        yield cluster
+        cluster.close()
+
+    return pool

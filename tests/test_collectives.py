@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clusters import CLUSTERS, cluster_id, cluster_marks, make_cluster
+from clusters import cluster_pools
 from mp_harness import RankPool
 from reference import ALL_DTYPES, OPS, assert_equal_result, make_input, op_valid, reduce_reference
 
@@ -23,12 +23,7 @@ COUNTS = [0, 1, 13, 100_003]
 BIG = 100_003
 
 
-@pytest.fixture(scope="module", params=[pytest.param(c, marks=cluster_marks(c)) for c in CLUSTERS],
-                ids=cluster_id)
-def pool(request):
-    cluster = make_cluster(*request.param)
-    yield cluster
-    cluster.close()
+pool = cluster_pools()
 
 
 def _host_only(pool):

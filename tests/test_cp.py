@@ -13,6 +13,7 @@ from gpucoll.cp import (RingAttention, UlyssesAttention, sequence_positions, seq
                         shard_sequence, unshard_sequence)
 from gpucoll.cp.blockwise import TILE_SCORES, visible_pairs
 from mp_harness import rank_pools, run_ranks
+from test_nccl_gpu import MULTI_RANK_ENV, on_nccl, two_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -338,24 +339,11 @@ def test_cupy_arrays_over_the_cpu_backend(layer):
                              rtol=1e-10, atol=1e-12)
 
 
-def _nccl_attention(rank, size, url, layer):
-    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=60)
-    try:
-        result = _cupy_attention(comm, layer)
-        comm.synchronize()
-        return result
-    finally:
-        comm.close(timeout=30)
-
-
 @pytest.mark.gpu
+@two_ranks
 @pytest.mark.parametrize("layer", ["ring", "ulysses"])
 def test_over_nccl_two_ranks_on_one_gpu(layer):
-    from test_nccl_gpu import MULTI_RANK_ENV, _nccl_version
-
-    if _nccl_version() < 23000:
-        pytest.skip(f"two ranks on one GPU need NCCL >= 2.30 (found code {_nccl_version()})")
-    per_rank = run_ranks(_nccl_attention, 2, layer, init=False, env=MULTI_RANK_ENV,
+    per_rank = run_ranks(on_nccl, 2, _cupy_attention, layer, init=False, env=MULTI_RANK_ENV,
                          timeout=240)
     _check_against_reference([(arrays, None) for arrays, _ in per_rank], "zigzag", True,
                              rtol=1e-10, atol=1e-12)

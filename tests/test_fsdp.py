@@ -16,7 +16,7 @@ from gpucoll.examples.train_fsdp import fsdp_loss_and_grads
 from gpucoll.kernels import bfloat16
 from mp_harness import RankPool, rank_pools, run_ranks
 from reference_training import SETTINGS, ReferenceOptimizer, rank_batch, training_data
-from test_nccl_gpu import MULTI_RANK_ENV, two_ranks
+from test_nccl_gpu import MULTI_RANK_ENV, on_nccl, two_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -288,26 +288,12 @@ def test_fsdp_on_cupy_arrays():
             np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-5)
 
 
-def _nccl_train(rank, size, url):
-    import cupy
-
-    import gpucoll
-
-    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=60)
-    try:
-        full, *_ = rank_train(comm, "adam", xp=cupy)
-        comm.synchronize()
-        return full
-    finally:
-        comm.close(timeout=30)
-
-
 @pytest.mark.gpu
 @two_ranks
 def test_fsdp_over_nccl_two_ranks_on_one_gpu():
     """The NCCL backend: scatter from sync_from, prefetched all-gathers and reduce-scatters
     on the caller's stream, the Work of each waited by the next use."""
-    got = run_ranks(_nccl_train, 2, init=False, env=MULTI_RANK_ENV, timeout=240)
+    got = run_ranks(on_nccl, 2, _gpu_train, init=False, env=MULTI_RANK_ENV, timeout=240)
     expected = reference("adam")
     for full in got:
         for g, want in zip(full, expected):

@@ -292,6 +292,18 @@ two_ranks = pytest.mark.skipif(
     reason=f"two ranks on one GPU need NCCL >= 2.30 (found code {_nccl_version()})")
 
 
+def on_nccl(rank, size, url, fn, *args):
+    """A rank of ``run_ranks(..., init=False)``: ``fn(comm, *args)`` on a new NCCL
+    communicator, whose GPU work is finished before it is closed."""
+    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=60)
+    try:
+        result = fn(comm, *args)
+        comm.synchronize()
+        return result
+    finally:
+        comm.close(timeout=30)
+
+
 def _rank_collectives(rank, size, url):
     import cupy
 

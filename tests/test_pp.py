@@ -15,6 +15,7 @@ from gpucoll.types import wire_code
 from gpucoll.pp import (Linear, Pipeline, ReLU, Stage, bubble_fraction, mlp_layers,
                         peak_in_flight, pipeline_groups, schedule_actions)
 from mp_harness import rank_pools, run_ranks
+from test_nccl_gpu import MULTI_RANK_ENV, on_nccl, two_ranks
 
 # ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
 _ONE_BLAS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -211,26 +212,13 @@ def test_pipeline_on_cupy_arrays(schedule):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def nccl_pipeline(rank, size, url, schedule):
-    comm = gpucoll.init(backend="nccl", rank=rank, world_size=size, url=url, timeout=60)
-    try:
-        result = cupy_pipeline(comm, schedule)
-        comm.synchronize()
-        return result
-    finally:
-        comm.close(timeout=30)
-
-
 @pytest.mark.gpu
+@two_ranks
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_over_nccl_two_ranks_on_one_gpu(schedule):
     """Stream-ordered sends and receives: each action's output and the next one's input go
     as one NCCL group (tests/test_pp_order.py checks the order without a GPU)."""
-    from test_nccl_gpu import MULTI_RANK_ENV, _nccl_version
-
-    if _nccl_version() < 23000:
-        pytest.skip(f"two ranks on one GPU need NCCL >= 2.30 (found code {_nccl_version()})")
-    per_rank = run_ranks(nccl_pipeline, 2, schedule, init=False, env=MULTI_RANK_ENV,
+    per_rank = run_ranks(on_nccl, 2, cupy_pipeline, schedule, init=False, env=MULTI_RANK_ENV,
                          timeout=240)
     loss_ref, _, grads_ref = _reference(0)
     assert per_rank[1][0] == pytest.approx(loss_ref, rel=1e-4)

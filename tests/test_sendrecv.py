@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clusters import CLUSTERS, cluster_id, cluster_marks, make_cluster
+from clusters import CLUSTERS, cluster_pools
 from mp_harness import error_text, run_ranks
 from reference import assert_equal_result, make_input
 
@@ -25,12 +25,7 @@ LARGE = 1_000_003  # float64: 8 MB each way, sent by every rank at once
 COUNTS = (0, 1, 13, LARGE)
 
 
-@pytest.fixture(scope="module", params=[pytest.param(c, marks=cluster_marks(c))
-                                        for c in SOCKET_CLUSTERS], ids=cluster_id)
-def pool(request):
-    cluster = make_cluster(*request.param)
-    yield cluster
-    cluster.close()
+pool = cluster_pools(SOCKET_CLUSTERS)
 
 
 def _host_only(pool):

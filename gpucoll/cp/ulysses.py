@@ -53,17 +53,23 @@ class UlyssesAttention(ContextParallelAttention):
                              f"context-parallel group size {self.comm.size}")
         return heads // self.comm.size
 
+    def _all_to_all(self, blocks: Any) -> Any:
+        """Block j to rank j (counting what leaves this rank); itself on one rank."""
+        size = self.comm.size
+        if size == 1:
+            return blocks
+        self._sent_so_far += blocks.nbytes * (size - 1) // size
+        return self.comm.all_to_all(blocks)
+
     def _tokens_to_heads(self, packed: Any, xp: Any) -> Any:
         """(n, b, s, H, d), this rank's tokens -> (n, b, H/p, p*s, d), every token of this
         rank's heads (ranks' tokens one after another)."""
         size = self.comm.size
         n, batch, seq, heads, dim = packed.shape
         local = heads // size
-        blocks = xp.ascontiguousarray(
-            packed.reshape(n, batch, seq, size, local, dim).transpose(3, 0, 1, 2, 4, 5))
-        if size > 1:
-            self._sent_so_far += blocks.nbytes * (size - 1) // size
-            blocks = self.comm.all_to_all(blocks)             # block j: rank j's tokens
+        blocks = self._all_to_all(xp.ascontiguousarray(
+            packed.reshape(n, batch, seq, size, local, dim).transpose(3, 0, 1, 2, 4, 5)))
+        # block j: rank j's tokens
         return xp.ascontiguousarray(blocks.transpose(1, 2, 4, 0, 3, 5)).reshape(
             n, batch, local, size * seq, dim)
 
@@ -72,11 +78,9 @@ class UlyssesAttention(ContextParallelAttention):
         size = self.comm.size
         n, batch, local, total, dim = packed.shape
         seq = total // size
-        blocks = xp.ascontiguousarray(
-            packed.reshape(n, batch, local, size, seq, dim).transpose(3, 0, 1, 4, 2, 5))
-        if size > 1:
-            self._sent_so_far += blocks.nbytes * (size - 1) // size
-            blocks = self.comm.all_to_all(blocks)             # block j: rank j's heads
+        blocks = self._all_to_all(xp.ascontiguousarray(
+            packed.reshape(n, batch, local, size, seq, dim).transpose(3, 0, 1, 4, 2, 5)))
+        # block j: rank j's heads
         return xp.ascontiguousarray(blocks.transpose(1, 2, 3, 0, 4, 5)).reshape(
             n, batch, seq, size * local, dim)
 
