@@ -441,7 +441,7 @@ def rank_split(comm, arr):
     halves = comm.split(color=comm.rank % 2, key=-comm.rank)  # reversed order inside each half
     y = arr.dev(np.array([comm.rank], np.int64))
     gathered = arr.host(halves.all_gather(y))
-    info["halves"] = (halves.rank, halves.size, gathered.ravel().tolist())
+    info["halves"] = (halves.rank, halves.size, gathered.ravel().tolist(), halves.ranks)
     halves.close()
     none = comm.split(color=None if comm.rank == 0 else 1)
     info["none"] = None if none is None else none.size
@@ -464,7 +464,7 @@ def test_split_and_new_group(pool):
         else:
             assert info["evens"] is None
         half = sorted([q for q in range(n) if q % 2 == r % 2], reverse=True)
-        assert info["halves"] == (half.index(r), len(half), half)
+        assert info["halves"] == (half.index(r), len(half), half, half)  # ranks: world ranks
         assert info["none"] == (None if r == 0 else n - 1)
         assert info["after"] == [float(n)] * 2
 

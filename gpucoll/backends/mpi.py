@@ -435,7 +435,8 @@ class MPICommunicator(HostShortPaths, Communicator):
         seq = self._next_seq()
         self._splits += 1
         # Everyone is known to be here (gathered with the timeout) before MPI's blocking split.
-        self._table(np.array([-1 if color is None else color, key], np.int64), "split", seq)
+        table = self._table(np.array([-1 if color is None else color, key], np.int64),
+                            "split", seq)
         MPI = mpi()
         try:
             child = self._comm.Split(MPI.UNDEFINED if color is None else color, key)
@@ -443,9 +444,12 @@ class MPICommunicator(HostShortPaths, Communicator):
             raise self._failed("split", seq, exc) from None
         if child == MPI.COMM_NULL:
             return None
-        return MPICommunicator(child, comm_id=f"{self.comm_id}/split{self._splits}/color{color}",
-                               timeout=self.timeout, debug=self._debug,
-                               blocking=self._watchdog is not None)
+        members = [r for _, r in sorted((int(k), r) for r, (c, k) in enumerate(table)
+                                        if c == color)]  # MPI's order: (key, rank)
+        return self._child(MPICommunicator(
+            child, comm_id=f"{self.comm_id}/split{self._splits}/color{color}",
+            timeout=self.timeout, debug=self._debug, blocking=self._watchdog is not None),
+            members)
 
     def _abort_with(self, reason: str) -> None:
         if self._aborted is None:
