@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import abc
 from types import MappingProxyType
-from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 from .errors import CommAbortedError, UnsupportedOperationError
 from .composite import CompositeCollectives
 from .composite_alltoall import UnevenAllToAll
+from .groups import Groups
 from .sendrecv import SendRecv
 from .types import ReduceOp, check_op_dtype, wire_code
 from .work import Work
 
 __all__ = ["Communicator"]
-
-_INT32_LIMIT = 2 ** 31
 
 Array = Any  # numpy.ndarray, cupy.ndarray, or what a backend accepts
 
@@ -32,7 +31,7 @@ def _shape_of(x: Array) -> Tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-class Communicator(CompositeCollectives, UnevenAllToAll, SendRecv, abc.ABC):
+class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, abc.ABC):
     """A group of ``size`` ranks that run collectives together.
 
     Besides the collectives below, every backend has the object collectives and uneven
@@ -40,7 +39,9 @@ class Communicator(CompositeCollectives, UnevenAllToAll, SendRecv, abc.ABC):
     ``all_gather_object``, ``gather_object``, ``scatter_object``, ``all_gather_v``,
     ``gather_v``) and the uneven ``all_to_all_v`` of
     :class:`gpucoll.composite_alltoall.UnevenAllToAll`, built on these, and the point-to-point
-    ``sendrecv`` of :class:`gpucoll.sendrecv.SendRecv` (a send and a receive at once).
+    ``sendrecv`` of :class:`gpucoll.sendrecv.SendRecv` (a send and a receive at once). Its
+    world ranks and sub-communicators (``ranks``, ``split``, ``new_group``, ``host_group``)
+    are those of :class:`gpucoll.groups.Groups`.
 
     Attributes:
         rank: this process's rank in the group, 0 <= rank < size.
@@ -370,53 +371,6 @@ class Communicator(CompositeCollectives, UnevenAllToAll, SendRecv, abc.ABC):
             raise ValueError(f"tag must be an int in [0, 2**32), got {tag!r}")
         return tag
 
-    # ------------------------------------------------------------------ world ranks
-    _world_ranks: Optional[Tuple[int, ...]] = None  # set on communicators made by split
-
-    @property
-    def ranks(self) -> List[int]:
-        """The world ranks this communicator holds, in its rank order (``ranks[i]`` is the
-        world rank of rank i). The world is the communicator ``init()`` made; there
-        ``ranks == list(range(size))``. Kept through ``split`` and ``new_group`` of groups.
-
-        Example (four ranks)::
-
-            odds = comm.new_group([3, 1])   # on ranks 3 and 1
-            odds.ranks                      # [3, 1]
-        """
-        if self._world_ranks is None:
-            return list(range(self.size))
-        return list(self._world_ranks)
-
-    def to_world(self, rank: int) -> int:
-        """The world rank of this communicator's ``rank`` (torch's ``get_global_rank``)."""
-        rank = self._root(rank, "rank")
-        return rank if self._world_ranks is None else self._world_ranks[rank]
-
-    def from_world(self, world_rank: int) -> int:
-        """This communicator's rank of world rank ``world_rank`` (MPI's ``Translate_ranks``).
-
-        Raises:
-            ValueError: ``world_rank`` is not a member of this communicator.
-        """
-        if isinstance(world_rank, bool) or not isinstance(world_rank, int) \
-                and not hasattr(world_rank, "__index__"):
-            raise TypeError(f"world_rank must be an int, got {type(world_rank).__name__}")
-        world_rank = int(world_rank)
-        ranks = self.ranks
-        if world_rank not in ranks:
-            raise ValueError(f"world rank {world_rank} is not in this communicator (its world "
-                             f"ranks: {ranks})")
-        return ranks.index(world_rank)
-
-    def _child(self, child: Optional["Communicator"], members: Sequence[int]):
-        """Record on ``child`` (made by a backend's ``_split``) the world ranks of
-        ``members``, its ranks given as ranks of this communicator, in the child's order."""
-        if child is not None:
-            ranks = self.ranks
-            child._world_ranks = tuple(ranks[m] for m in members)
-        return child
-
     # ------------------------------------------------------------------ groups and lifetime
     @property
     def closed(self) -> bool:
@@ -428,43 +382,6 @@ class Communicator(CompositeCollectives, UnevenAllToAll, SendRecv, abc.ABC):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         self._barrier(self.timeout if timeout is None else float(timeout))
-
-    def split(self, color: Optional[int], key: Optional[int] = None) -> Optional["Communicator"]:
-        """Split into sub-communicators: ranks with equal ``color`` form one, ordered by
-        (``key``, rank). Collective over this communicator.
-
-        Returns:
-            The new communicator, or None for ranks that pass ``color=None`` (or a negative color).
-        """
-        if color is not None and (isinstance(color, bool) or not isinstance(color, int)):
-            raise TypeError(f"color must be an int or None, got {color!r}")
-        if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
-            raise TypeError(f"key must be an int or None, got {key!r}")
-        # NCCL's color and key are C ints: check the range here, on every backend, before
-        # anything is sent (a rank that failed later would leave the others waiting).
-        if color is not None and color >= _INT32_LIMIT:
-            raise ValueError(f"color={color} is too large: colors must be below 2**31")
-        if key is not None and not -_INT32_LIMIT <= key < _INT32_LIMIT:
-            raise ValueError(f"key={key} is out of range: keys must be in [-2**31, 2**31)")
-        if color is not None and color < 0:
-            color = None
-        return self._split(color, self.rank if key is None else key)
-
-    def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
-        """A communicator of ``ranks`` (in that order: ``ranks[i]`` becomes rank i).
-
-        Every rank must call it with the same list; ranks outside it get None.
-
-        Example (four ranks)::
-
-            evens = comm.new_group([0, 2])   # ranks 0, 2 -> group ranks 0, 1; others None
-        """
-        ranks = [self._root(r, "ranks[]") for r in ranks]
-        if len(set(ranks)) != len(ranks) or not ranks:
-            raise ValueError(f"new_group: ranks must be a non-empty list of distinct ranks, got {ranks}")
-        if self.rank in ranks:
-            return self._split(0, ranks.index(self.rank))
-        return self._split(None, 0)
 
     def shrink(self, timeout: Optional[float] = None) -> "Communicator":
         """A new communicator of the ranks still alive, after a failure (ULFM's
@@ -581,9 +498,6 @@ class Communicator(CompositeCollectives, UnevenAllToAll, SendRecv, abc.ABC):
 
     def _barrier(self, timeout: float) -> None:
         return self._unsupported("barrier")
-
-    def _split(self, color: Optional[int], key: int) -> Optional["Communicator"]:
-        return self._unsupported("split")
 
     def _shrink(self, timeout: float) -> "Communicator":
         return self._unsupported("shrink")

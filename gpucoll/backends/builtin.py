@@ -25,25 +25,9 @@ __all__ = ["cpu_factory", "nccl_factory", "mpi_factory", "shared_gpu_reason"]
 def cpu_factory(store, rank: int, world_size: int, *, transport: Optional[str] = None,
                 **common):
     """A ``CPUCommunicator``; socket and algorithm settings from GPUCOLL_* (see config)."""
-    from .. import algorithms
-    from ..rendezvous.hosts import route_address
-    from ..transports.select import check_mode
-    from .cpu import CPUCommunicator
+    from .cpu_settings import cpu_communicator
 
-    advertise = config.get("GPUCOLL_HOST")
-    if not advertise:
-        host, port = getattr(store, "host", None), getattr(store, "port", None)
-        advertise = route_address(host, int(port or 0)) if isinstance(host, str) else "127.0.0.1"
-    text = config.get("GPUCOLL_ALGORITHM")
-    override = {} if text in ("", "auto") else algorithms.parse_override(text)
-    return CPUCommunicator(
-        store, rank, world_size,
-        transport=check_mode(config.get("GPUCOLL_TRANSPORT") if transport is None else transport),
-        advertise_host=advertise, socket_buffer=config.get("GPUCOLL_SOCKET_BUFFER"),
-        chunk_bytes=config.get("GPUCOLL_CHUNK_BYTES"),
-        ring_threshold=config.get("GPUCOLL_RING_THRESHOLD"), algorithm_override=override,
-        shm_bytes=config.get("GPUCOLL_SHM_BYTES"),
-        shm_single_copy=config.get("GPUCOLL_SHM_SINGLE_COPY"), **common)
+    return cpu_communicator(store, rank, world_size, transport=transport, **common)
 
 
 def nccl_factory(store, rank: int, world_size: int, *, device: Optional[int] = None, **common):

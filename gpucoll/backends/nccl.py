@@ -91,6 +91,7 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
         self._p2p_seq = 0
         self._splits = 0
         self._shrinks = 0
+        self._host_groups = 0
         self._lock = threading.Lock()
         self._abort_done = threading.Event()  # set once the failing call's abort returned
         # held around the watchdog's async-error query and abort / destroy: ncclCommAbort and
@@ -502,6 +503,17 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
             comm_id=f"{self.comm_id}/split{number}/color{color}", token=self._token,
             timeout=self.timeout, debug=self._debug, owns_store=False, device=self.device,
             watchdog_interval=self._watchdog_interval, _nccl_comm=new_comm, _local=local), ranks)
+
+    def _host_group(self) -> Communicator:
+        """A CPU-backend communicator of these ranks over this one's rendezvous store."""
+        from .cpu_settings import cpu_communicator
+
+        self._host_groups += 1
+        host = cpu_communicator(
+            self._root_store, self.rank, self.size,
+            comm_id=f"{self.comm_id}/host{self._host_groups}", token=self._token,
+            timeout=self.timeout, debug=self._debug, owns_store=False)
+        return self._child(host, range(self.size))
 
     def _shrink(self, timeout: float) -> "NCCLCommunicator":
         """Abort NCCL here, agree on the survivors through the store, and make a new NCCL
