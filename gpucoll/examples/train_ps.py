@@ -13,12 +13,14 @@ servers average one push from every worker per step (the same arithmetic as data
 parallelism); ``--mode async``: each push is applied at once and a worker may run up to
 ``--staleness`` steps ahead of the slowest. At the end of each epoch the workers meet (one
 all-reduce among them), pull the current parameters and the first worker prints the loss and
-the accuracy; the first server prints how stale the applied gradients were.
+the accuracy; the first server prints how stale the applied gradients were. On NCCL the
+servers and workers talk over ``comm.host_group()`` (CuPy arrays staged through host memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import numpy as np
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     xp = _array_module(args.cpu)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed, data=args.data)
     staleness = 0 if args.mode == "sync" else args.staleness
-    with _init(xp is np) as comm:
+    with _init(xp is np) as comm, contextlib.ExitStack() as closing:
         if not 1 <= args.servers < comm.size:
             raise SystemExit(f"--servers {args.servers} must leave at least one worker among "
                              f"the {comm.size} ranks")
@@ -51,9 +53,12 @@ def main(argv=None) -> int:
                              f"{workers} workers")
         is_server = comm.rank < args.servers
         worker_comm = comm.split(None if is_server else 0)
+        # a server takes whichever worker's message comes first: on NCCL, whose receives
+        # complete in issue order, the parameter traffic takes a host group beside it
+        ps_comm = comm if comm.memory == "host" else closing.enter_context(comm.host_group())
         params = init_params([64, args.hidden, args.hidden, 10], seed=args.seed, xp=xp)
         if is_server:
-            server = ParameterServer(comm, params, num_servers=args.servers, staleness=staleness,
+            server = ParameterServer(ps_comm, params, num_servers=args.servers, staleness=staleness,
                                      lr=args.lr, momentum=0.9)
             stats = server.serve()
             if comm.rank == 0:
@@ -62,7 +67,7 @@ def main(argv=None) -> int:
                       f"workers at most {stats['max_lead']} step(s) apart, "
                       f"{stats['seconds']:.2f} s", flush=True)
             return 0
-        worker = PSWorker(comm, params, num_servers=args.servers, staleness=staleness)
+        worker = PSWorker(ps_comm, params, num_servers=args.servers, staleness=staleness)
         sampler = DistributedSampler(len(x_train), worker_comm, seed=args.seed, drop_last=True)
         local = args.batch_size // workers
         x_dev, y_dev = xp.asarray(x_train), xp.asarray(y_train)

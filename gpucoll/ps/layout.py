@@ -32,11 +32,21 @@ class PSLayout:
         staleness: steps a worker may run ahead of the slowest (0 = synchronous).
 
     Raises:
-        ValueError: more servers than ranks allow, fewer elements than servers, a negative
-            staleness (the numbers are named). TypeError: unsupported or mixed dtypes.
+        ValueError: a communicator of GPU memory (NCCL: pass its ``host_group()``), more
+            servers than ranks allow, fewer elements than servers, a negative staleness (the
+            numbers are named). TypeError: unsupported or mixed dtypes.
     """
 
     def __init__(self, comm, params: Sequence[Any], num_servers: int, staleness: int):
+        memory = getattr(comm, "memory", "host")
+        if memory != "host":
+            # a server takes whichever worker's message comes first; on NCCL a receive posted
+            # early holds back every later operation of the rank until its message arrives
+            raise ValueError(
+                f"parameter servers need a communicator whose receives complete in any order; "
+                f"backend {comm.backend!r} ({memory} memory) runs each rank's operations in "
+                f"issue order. Pass comm.host_group() instead (CuPy arrays are then staged "
+                f"through host memory)")
         size = comm.size
         if isinstance(num_servers, bool) or int(num_servers) != num_servers or num_servers < 1:
             raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")

@@ -147,7 +147,8 @@ class ParameterServer:
         """
         layout, comm, xp = self.layout, self.comm, self.xp
         workers, size = layout.workers, self.param.size
-        self._headers = {w: xp.zeros(2, dtype=np.int64) for w in workers}
+        # headers are host arrays whatever the parameters are: read at once, no device sync
+        self._headers = {w: np.zeros(2, dtype=np.int64) for w in workers}
         self._snapshots = {w: xp.empty(size, dtype=layout.dtype) for w in workers}
         self._pending: Dict[int, Any] = {}
         self._last_serviced = -1

@@ -38,8 +38,7 @@ class PSWorker:
         self.comm, self.params = comm, list(params)
         self.xp = _array_module(self.params[0])
         self._flat = self.xp.zeros(self.layout.total, dtype=self.layout.dtype)
-        self._header = self.xp.zeros(2, dtype=np.int64)
-        self._header_host = np.zeros(2, dtype=np.int64)
+        self._header = np.zeros(2, dtype=np.int64)   # host memory, like the server's
         self.step = 0
         self.bytes_sent = self.bytes_received = 0
         self._closed = False
@@ -57,8 +56,7 @@ class PSWorker:
         kernels.unpack(self._flat, self.params, offsets=self.layout.offsets)
 
     def _send_header(self, kind: int) -> List[Any]:
-        self._header_host[:] = (kind, self.step)
-        self._header[...] = self.xp.asarray(self._header_host)
+        self._header[:] = (kind, self.step)
         self.bytes_sent += self._header.nbytes * self.layout.num_servers
         return [self.comm.isend(self._header, server, tag=TAG_HEADER)
                 for server in self.layout.servers]

@@ -204,3 +204,42 @@ class ndarray:  # noqa: N801 (CuPy's name)
 
     def __neg__(self):
         return self._emu._from_host(-self._a, self._device_id)
+
+    # in place, as CuPy's are (``total += grad`` must not rebind ``total`` to a new array)
+    def _inplace(self, other, fn) -> "ndarray":
+        if isinstance(other, ndarray):
+            other = other._a
+        elif isinstance(other, np.ndarray):
+            raise TypeError("emulated CuPy: mixing device and host arrays")
+        fn(self._a, other, out=self._a, casting="same_kind")
+        return self
+
+    def __iadd__(self, other):
+        return self._inplace(other, np.add)
+
+    def __isub__(self, other):
+        return self._inplace(other, np.subtract)
+
+    def __imul__(self, other):
+        return self._inplace(other, np.multiply)
+
+    def __itruediv__(self, other):
+        return self._inplace(other, np.true_divide)
+
+    # a one-element array converts to a Python number (CuPy copies it to the host)
+    def _item(self):
+        if self._a.size != 1:
+            raise TypeError("only arrays of one element convert to Python scalars")
+        return self._a.reshape(()).item()
+
+    def __int__(self) -> int:
+        return int(self._item())
+
+    def __float__(self) -> float:
+        return float(self._item())
+
+    def __bool__(self) -> bool:
+        if self._a.size != 1:
+            raise ValueError("The truth value of an array with more than one element is "
+                             "ambiguous")
+        return bool(self._item())
