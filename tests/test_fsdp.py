@@ -50,7 +50,7 @@ def reference(optimizer):
     return params
 
 
-def rank_train(comm, optimizer, compute=None, xp=np):
+def rank_train(comm, optimizer, compute=None, xp=np, micro_batches=1):
     x, y = _data()
     params = init_params(SIZES, seed=5)
     if comm.rank != 0:
@@ -60,7 +60,11 @@ def rank_train(comm, optimizer, compute=None, xp=np):
     whole, held = [], []
     for step in range(STEPS):
         xb, yb = (xp.asarray(a) for a in _batch(x, y, step, comm.rank, comm.size))
-        fsdp_loss_and_grads(fsdp, xb, yb, xp, track=whole)
+        rows = xb.shape[0] // micro_batches
+        for m in range(micro_batches):      # each unit reduced once per micro-batch
+            part = slice(m * rows, (m + 1) * rows)
+            fsdp_loss_and_grads(fsdp, xb[part], yb[part], xp, scale=1 / micro_batches,
+                                track=whole)
         held.append(fsdp.resident_bytes())
         assert fsdp.step()
         assert fsdp.gathered_units == []
@@ -95,6 +99,36 @@ def test_fsdp_equals_full_batch(pool, optimizer):
     for result in results[1:]:               # every rank ends with the same weights, bit for bit
         for a, b in zip(result[0], results[0][0]):
             np.testing.assert_array_equal(a, b)
+
+
+def rank_train_two_micro_batches(comm, optimizer, compute=None):
+    return rank_train(comm, optimizer, compute, micro_batches=2)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_gradient_accumulation_equals_full_batch(pool, optimizer):
+    """Two micro-batches per step (half the rows each, loss halved), every unit reduced once
+    per micro-batch: the weights of one process on the whole batch. The running sum holds one
+    slice per unit until step(); each micro-batch moves a step's bytes."""
+    n = pool.world_size
+    expected = reference(optimizer)
+    singles = pool.run(rank_train, optimizer)
+    for single, result in zip(singles, pool.run(rank_train_two_micro_batches, optimizer)):
+        full, _, shard, _, whole, rest, during, wire, sizes = result
+        for got, want in zip(full, expected):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        assert whole == 2 and rest == single[5]
+        assert during == single[6] + shard * 4
+        assert wire == 2 * (n - 1) * 4 * (3 * shard - sizes[-1]) + (n - 1) * 4 * shard / STEPS
+
+
+@pytest.mark.skipif(bfloat16 is None, reason="bfloat16 on NumPy needs ml_dtypes")
+def test_bfloat16_accumulation_sums_in_float32(pool):
+    """bfloat16 on the wire, the micro-batches' slices summed in float32."""
+    for full, *_ in pool.run(rank_train_two_micro_batches, "sgd", "bfloat16"):
+        for got, want in zip(full, reference("sgd")):
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-2)
 
 
 @pytest.mark.skipif(bfloat16 is None, reason="bfloat16 on NumPy needs ml_dtypes")
@@ -253,9 +287,13 @@ def test_usage_errors(solo):
                                         "float32"):
         fsdp.reduce_gradients(1, [params[2].astype(np.float64), params[3]])
     fsdp.reduce_gradients(2, units[2])
-    with pytest.raises(ValueError, match="unit 2 were already reduced"):
-        fsdp.reduce_gradients(2, units[2])
+    fsdp.reduce_gradients(2, units[2])         # a second micro-batch of unit 2
     with pytest.raises(ValueError, match=r"units \[0, 1\] were not reduced"):
+        fsdp.step()
+    for index in (0, 1, 1, 2):
+        fsdp.reduce_gradients(index, units[index])
+    with pytest.raises(ValueError, match=r"different numbers of micro-batches in this step: "
+                                         r"\[1, 2, 1\] \(per unit\)"):
         fsdp.step()
     # the failed step dropped what was reduced: a whole step works after it
     before = [p for unit in fsdp.full_parameters() for p in unit]
@@ -304,10 +342,11 @@ def test_example_matches_one_process_and_holds_half():
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", GPUCOLL_QUIET="1")
     runs = {}
-    for ranks in (1, 2):
-        launch = ["gpucoll", "run", "-n", str(ranks), "-m"] if ranks > 1 else []
+    for ranks, micro_batches in ((1, 1), (2, 1), ("2x4", 4)):   # the last accumulates
+        launch = ["gpucoll", "run", "-n", str(ranks)[0], "-m"] if ranks != 1 else []
         command = [sys.executable, "-m"] + launch + ["gpucoll.examples.train_fsdp"]
-        out = subprocess.run(command + ["--epochs", "2", "--cpu", "--hidden", "64"],
+        out = subprocess.run(command + ["--epochs", "2", "--cpu", "--hidden", "64",
+                                        "--micro-batches", str(micro_batches)],
                              capture_output=True, text=True, timeout=100, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
         lines = [line.split("] ", 1)[-1] for line in out.stdout.splitlines()]
@@ -318,5 +357,6 @@ def test_example_matches_one_process_and_holds_half():
         assert "at most 2 layer(s) whole at once" in out.stdout
         runs[ranks] = epochs, held[0]
     assert runs[2][0] == runs[1][0]                  # same losses and accuracies, to 4 digits
+    assert runs["2x4"] == runs[2]                    # four micro-batches: the same, same bytes
     assert float(runs[2][0][-1].split("test acc ")[1]) > 0.85
     assert runs[1][1] / 2 <= runs[2][1] < runs[1][1] / 2 + 3 * 4 * 3 * 4   # half + padding

@@ -15,6 +15,12 @@ slice ``r`` of it (the master copy, in the parameters' dtype). Around a unit's c
   rank's slices with an optimizer whose state covers only them. No all-gather follows: the
   next forward gathers each unit when it needs it.
 
+Gradient accumulation: call ``reduce_gradients`` once per unit for each micro-batch. Each
+call reduce-scatters at once and the reduced slices are summed in the parameters' dtype, so
+memory stays at one slice per unit (FSDP2's way; FSDP1's ``no_sync`` would hold every unit's
+full gradients instead). ``step()`` averages the sum over the ranks, as for one micro-batch:
+divide the loss by the number of micro-batches for their mean, as with PyTorch.
+
 With ``compute_dtype="bfloat16"`` (or "float16") the master slices stay float32 but units are
 gathered, and gradients reduce-scattered, in the narrower type: half the bytes on the wire and
 in the gathered buffers, as in mixed-precision FSDP. Casts run in the fused bucket kernels.
@@ -45,7 +51,8 @@ class _Unit:
     """One unit's layout, its slices on this rank, and what is in flight for it."""
 
     __slots__ = ("shapes", "sizes", "offsets", "chunk", "length", "param", "grad", "full",
-                 "gathering", "reducing", "wire_param", "wire_grad", "grad_buffer")
+                 "gathering", "reducing", "wire_param", "wire_grad", "grad_buffer",
+                 "accumulated", "reductions")
 
     def __init__(self, arrays: Sequence[Any], itemsize: int, world: int):
         self.shapes = [tuple(int(d) for d in a.shape) for a in arrays]
@@ -57,6 +64,8 @@ class _Unit:
         self.gathering = self.reducing = None       # Work of the all-gather / reduce-scatter
         self.wire_grad = self.grad_buffer = None    # reduce-scatter output / input
         self.wire_param = None   # all-gather input in the compute dtype, kept until it is done
+        self.accumulated = None  # sum of this step's earlier micro-batches' reduced slices
+        self.reductions = 0      # reduce_gradients calls in this step
 
     def views(self, full: Any = None) -> List[Any]:
         """The parameters' views of a flat buffer of this unit (default: the gathered one)."""
@@ -205,7 +214,7 @@ class FullyShardedParameters:
         units gathered and the gradient buffers of reductions in flight."""
         held = {id(a): a for u in self._units
                 for a in (u.param, u.grad, u.full, u.wire_param, u.wire_grad,
-                          u.grad_buffer) if a is not None}
+                          u.grad_buffer, u.accumulated) if a is not None}
         return sum(int(a.nbytes) for a in held.values()) + self.state_bytes()
 
     def _count(self, unit: _Unit, dtype: np.dtype) -> None:
@@ -286,10 +295,11 @@ class FullyShardedParameters:
     def reduce_gradients(self, index: int, grads: Sequence[Any]) -> None:
         """Unit ``index``'s gradients exist (one per parameter, in the compute dtype): pack them
         and start their reduce-scatter; rank ``r`` gets the sum of its slice. Once per unit per
-        step, in the same unit order on every rank.
+        micro-batch (once per step without accumulation), in the same unit order on every
+        rank; a unit's earlier reduction in this step is waited for and added to its sum.
 
         Raises:
-            ValueError: index out of range, reduced twice in a step, wrong count or shape.
+            ValueError: index out of range, wrong count or shape.
             TypeError: a gradient of another dtype than the compute dtype.
         """
         unit = self._unit(index)
@@ -304,16 +314,30 @@ class FullyShardedParameters:
             if np.dtype(grad.dtype) != self.compute_dtype:
                 raise TypeError(f"gradient {number} of unit {index} has dtype {grad.dtype}, "
                                 f"expected {self.compute_dtype.name}")
-        if unit.reducing is not None or unit.grad_buffer is not None:
-            raise ValueError(f"the gradients of unit {index} were already reduced in this step")
+        if unit.reducing is not None:
+            self._accumulate(unit)
         size = self.comm.size
         unit.grad_buffer = self.xp.zeros(unit.length, dtype=self.compute_dtype)  # padding 0
         kernels.pack(grads, unit.grad_buffer, offsets=unit.offsets)
         unit.wire_grad = unit.grad if self.compute_dtype == self.dtype else \
             self.xp.empty(unit.chunk, dtype=self.compute_dtype)
         self._count(unit, self.compute_dtype)
+        unit.reductions += 1
         unit.reducing = self.comm.reduce_scatter(unit.grad_buffer.reshape(size, unit.chunk),
                                                  out=unit.wire_grad, async_op=True)
+
+    def _accumulate(self, unit: _Unit) -> None:
+        """Wait for ``unit``'s reduction in flight and add its slice to the unit's sum (in the
+        parameters' dtype: a narrower wire dtype is cast back first)."""
+        work, unit.reducing, unit.grad_buffer = unit.reducing, None, None
+        work.wait()
+        reduced = unit.wire_grad
+        if reduced.dtype != self.dtype:
+            reduced = kernels.unpack(reduced, [self.xp.empty(unit.chunk, dtype=self.dtype)])[0]
+        if unit.accumulated is None:
+            unit.accumulated = reduced.copy() if reduced is unit.wire_grad else reduced
+        else:
+            unit.accumulated += reduced
 
     def step(self, *, loss_scale: Optional[float] = None, scaler: Any = None,
              check_finite: Optional[bool] = None) -> bool:
@@ -325,7 +349,8 @@ class FullyShardedParameters:
         ``ShardedOptimizer.step``.
 
         Raises:
-            ValueError: some units' gradients were never reduced (listed).
+            ValueError: some units' gradients were never reduced (listed), or units were
+                reduced for different numbers of micro-batches (the counts are named).
         """
         for index in self.gathered_units:
             self.release(index)
@@ -334,6 +359,17 @@ class FullyShardedParameters:
             self._reset()
             raise ValueError(f"the gradients of units {missing} were not reduced in this step; "
                              f"every rank must reduce every unit's gradients before step()")
+        counts = [unit.reductions for unit in self._units]
+        if len(set(counts)) > 1:
+            self._reset()
+            raise ValueError(f"units were reduced for different numbers of micro-batches in "
+                             f"this step: {counts} (per unit); reduce every unit's gradients "
+                             f"once per micro-batch")
+        for unit in self._units:
+            if unit.accumulated is not None:       # the last micro-batch joins the sum
+                work = unit.reducing
+                self._accumulate(unit)
+                unit.reducing, unit.wire_grad = work, unit.accumulated
         loss_scale, self.found_inf = sharded_unscale_settings(self.xp, loss_scale, scaler,
                                                               check_finite)
         try:
@@ -356,4 +392,5 @@ class FullyShardedParameters:
                     unit.reducing.wait()
                 except Exception:
                     pass  # raised (or about to be) by step()
-            unit.reducing = unit.wire_grad = unit.grad_buffer = None
+            unit.reducing = unit.wire_grad = unit.grad_buffer = unit.accumulated = None
+            unit.reductions = 0

@@ -82,17 +82,22 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--compute-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                         help="dtype of the gathers and gradient reductions")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="gradient accumulation: micro-batches per step (each unit is "
+                             "reduce-scattered once per micro-batch)")
     args = parser.parse_args(argv)
     if args.layers < 2:
         parser.error("--layers must be at least 2")
+    if args.micro_batches < 1:
+        parser.error("--micro-batches must be at least 1")
     compute = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}[args.compute_dtype]
 
     xp = _array_module(args.cpu)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed, data=args.data)
     with _init(xp is np) as comm:
-        if args.batch_size % comm.size:
+        if args.batch_size % (comm.size * args.micro_batches):
             raise SystemExit(f"--batch-size {args.batch_size} must divide among the "
-                             f"{comm.size} ranks")
+                             f"{comm.size} ranks and {args.micro_batches} micro-batch(es)")
         sizes = [64] + [args.hidden] * (args.layers - 1) + [10]
         params = init_params(sizes, seed=args.seed, xp=xp)
         settings = {"lr": args.lr} if args.optimizer == "sgd" else {"lr": args.lr / 50}
@@ -116,10 +121,14 @@ def main(argv=None) -> int:
             loss_sum, correct, seen, whole = 0.0, 0, 0, []
             for step in range(len(mine) // local):
                 rows = xp.asarray(mine[step * local:(step + 1) * local])
-                # the loss is each rank's mean: step() averages the ranks' gradients
-                loss, hits = fsdp_loss_and_grads(fsdp, x_dev[rows], y_dev[rows], xp, track=whole)
+                # the loss is each rank's mean (over its micro-batches, each scaled by 1 / their
+                # number): step() averages the ranks' summed gradients
+                for part in xp.split(rows, args.micro_batches):
+                    loss, hits = fsdp_loss_and_grads(fsdp, x_dev[part], y_dev[part], xp,
+                                                     scale=1 / args.micro_batches, track=whole)
+                    loss_sum, correct = loss_sum + loss, correct + hits
                 fsdp.step()
-                loss_sum, correct, seen = loss_sum + loss, correct + hits, seen + len(rows)
+                seen += len(rows)
             totals = all_reduce_metrics(comm, {"loss": loss_sum, "correct": correct,
                                                "seen": seen})
             logits, _ = fsdp_logits(fsdp, xp.asarray(x_test), xp)
