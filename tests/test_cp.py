@@ -1,7 +1,8 @@
 """Context-parallel attention: ring and Ulysses outputs and gradients equal one process's full
 attention (a float64 NumPy reference written here) at 2, 3 and 4 ranks, causal or not, for
 both shardings; the messages each sends; the causal work per rank; 16-bit inputs; usage
-errors before anything is sent; ranks that disagree."""
+errors before anything is sent; ranks that disagree. Grouped-query attention (k and v with
+fewer heads) against the same reference run on k and v repeated per query head."""
 
 import os
 
@@ -174,6 +175,148 @@ def test_ulysses_messages(pool):
         assert sent == {"forward": 4 * one * (n - 1) // n, "backward": 4 * one * (n - 1) // n}
 
 
+# ---------------------------------------------------------------------------- grouped-query attention
+KV_HEADS = [1, 2, 4]      # multi-query, groups of 6, groups of 3 (one each: the tests above)
+
+
+def _fitting_kv_heads(size):
+    """2 key/value heads, or 1 at 3 ranks (Ulysses cannot spread 2 over 3 ranks)."""
+    return 1 if size == 3 else 2
+
+
+def _grouped_inputs(kv_heads, dtype=np.float64, seq=SEQ, seed=7):
+    """q and the output gradient with HEADS heads, k and v with ``kv_heads`` (each head its
+    own random values, so a wrong head mapping changes the result)."""
+    rng = np.random.default_rng(seed)
+    q, grad = (rng.standard_normal((BATCH, seq, HEADS, DIM)) for _ in range(2))
+    k, v = (rng.standard_normal((BATCH, seq, kv_heads, DIM)) for _ in range(2))
+    return [x.astype(dtype) for x in (q, k, v, grad)]
+
+
+def reference_grouped_attention(q, k, v, grad_out, causal):
+    """Repeat each key/value head for its ``group`` query heads (Hugging Face's
+    ``repeat_kv``), attend, and sum the repeated heads' gradients back per key/value head."""
+    kv_heads = k.shape[2]
+    group = q.shape[2] // kv_heads
+    out, dq, dk, dv = reference_attention(q, np.repeat(k, group, axis=2),
+                                          np.repeat(v, group, axis=2), grad_out, causal)
+    batch, seq, _, dim = k.shape
+    return [out, dq] + [g.reshape(batch, seq, kv_heads, group, dim).sum(axis=3)
+                        for g in (dk, dv)]
+
+
+def ulysses_takes(kv_heads, size):
+    return kv_heads % size == 0 or size % kv_heads == 0
+
+
+def rank_grouped(comm, layer, kv_heads, causal, sharding, dtype=np.float64, tile=None):
+    """This rank's ``[out, dq, dk, dv]``, the calls it made forward and backward and its
+    ``sent_bytes``; the error's text where the layer refuses the inputs."""
+    from gpucoll.cp import blockwise
+
+    counting = Counting(comm)
+    attention = LAYERS[layer](counting, causal=causal, sharding=sharding)
+    q, k, v, grad = (shard_sequence(x, comm.rank, comm.size, sharding)
+                     for x in _grouped_inputs(kv_heads, dtype))
+    if tile is not None:
+        blockwise.TILE_SCORES = tile
+    try:
+        try:
+            out = attention.forward(q, k, v)
+        except ValueError as exc:
+            return f"ValueError: {exc}", counting.calls
+        forward_calls = list(counting.calls)
+        grads = attention.backward(grad)
+    finally:
+        blockwise.TILE_SCORES = TILE_SCORES
+    return ([out] + list(grads), forward_calls, counting.calls[len(forward_calls):],
+            dict(attention.sent_bytes))
+
+
+def _check_grouped(per_rank, kv_heads, sharding, causal, dtype=np.float64):
+    inputs = [np.asarray(x, np.float64) for x in _grouped_inputs(kv_heads, dtype)]
+    want = reference_grouped_attention(*inputs, causal)
+    shapes = [(BATCH, SEQ, HEADS, DIM)] * 2 + [(BATCH, SEQ, kv_heads, DIM)] * 2
+    for index, name in enumerate(("out", "dq", "dk", "dv")):
+        got = unshard_sequence([arrays[index] for arrays, *_ in per_rank], sharding)
+        assert got.shape == shapes[index] and got.dtype == dtype, (name, got.shape, got.dtype)
+        if dtype == np.float64:
+            np.testing.assert_allclose(got, want[index], rtol=1e-10, atol=1e-12, err_msg=name)
+        else:   # inputs rounded to 16 bits, the math in float32
+            tolerance = 2e-2 if np.dtype(dtype).name == "bfloat16" else 3e-3
+            error = np.abs(np.asarray(got, np.float64) - want[index]).max()
+            assert error <= tolerance * np.abs(want[index]).max(), (name, error)
+
+
+@pytest.mark.parametrize("kv_heads", KV_HEADS)
+@pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_grouped_query_attention_equals_the_repeated_reference(pool, layer, causal, sharding,
+                                                               kv_heads):
+    n = pool.world_size
+    per_rank = pool.run(rank_grouped, layer, kv_heads, causal, sharding)
+    if layer == "ulysses" and not ulysses_takes(kv_heads, n):
+        for message, calls in per_rank:
+            assert message == (
+                f"ValueError: UlyssesAttention: {kv_heads} key/value heads can neither be split "
+                f"over nor copied to the context-parallel group's {n} ranks (kv_heads must be "
+                f"a multiple or a divisor of {n}); RingAttention takes any kv_heads that "
+                f"divides heads ({HEADS})") and calls == []
+        return
+    _check_grouped(per_rank, kv_heads, sharding, causal)
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_small_tiles_over_grouped_query_rows(pool, layer):
+    """Tiles of 300 scores: each group's rows cut into a few rows at a time."""
+    kv_heads = _fitting_kv_heads(pool.world_size)
+    per_rank = pool.run(rank_grouped, layer, kv_heads, True, "zigzag", np.float64, 300)
+    _check_grouped(per_rank, kv_heads, "zigzag", True)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_16_bit_grouped_inputs(pool, layer, dtype_name):
+    if dtype_name == "bfloat16":
+        dtype = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    else:
+        dtype = np.dtype(np.float16)
+    kv_heads = _fitting_kv_heads(pool.world_size)
+    per_rank = pool.run(rank_grouped, layer, kv_heads, True, "zigzag", dtype)
+    _check_grouped(per_rank, kv_heads, "zigzag", True, dtype)
+
+
+@pytest.mark.parametrize("kv_heads", KV_HEADS + [HEADS])
+def test_ring_sends_keys_and_values_at_their_own_head_count(pool, kv_heads):
+    """A ring block is ``2 * batch * local_seq * kv_heads * head_dim`` elements:
+    ``kv_heads / heads`` of the block ungrouped attention sends, every step."""
+    n = pool.world_size
+    per_rank = pool.run(rank_grouped, "ring", kv_heads, True, "zigzag")
+    block = 2 * BATCH * (SEQ // n) * kv_heads * DIM * 8
+    for _, forward, backward, sent in per_rank:
+        assert forward == [("sendrecv", block)] * (n - 1)
+        assert backward == [("sendrecv", block)] * (2 * n - 1)
+        assert sent == {"forward": (n - 1) * block, "backward": (2 * n - 1) * block}
+
+
+@pytest.mark.parametrize("kv_heads", KV_HEADS + [HEADS])
+def test_ulysses_sends_each_key_value_head_to_the_ranks_that_use_it(pool, kv_heads):
+    """q with k and v in one all-to-all: k and v at ``kv_heads`` heads when those split over
+    the ranks, else one copy of a head per rank (p heads), never all ``heads``."""
+    n = pool.world_size
+    if not ulysses_takes(kv_heads, n):
+        pytest.skip(f"{kv_heads} key/value heads do not fit {n} ranks (refusal tested above)")
+    per_rank = pool.run(rank_grouped, "ulysses", kv_heads, False, "contiguous")
+    one = BATCH * (SEQ // n) * HEADS * DIM * 8
+    keys_values = 2 * BATCH * (SEQ // n) * max(kv_heads, n) * DIM * 8
+    for _, forward, backward, sent in per_rank:
+        assert forward == [("all_to_all", one + keys_values), ("all_to_all", one)]
+        assert backward == [("all_to_all", one), ("all_to_all", one + keys_values)]
+        wire = (2 * one + keys_values) * (n - 1) // n
+        assert sent == {"forward": wire, "backward": wire}
+
+
 # ---------------------------------------------------------------------------- sharding
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
@@ -254,15 +397,18 @@ def test_bad_inputs_are_refused_before_anything_is_sent(layer):
     cases = [
         (ValueError, r"q must be \(batch, local_seq, heads, head_dim\), got shape \(4, 2, 3\)",
          lambda: attention.forward(q[0], q, q)),
-        (ValueError, r"q, k and v must have one shape, got \(1, 4, 2, 3\), \(1, 4, 2, 3\), \(1, 2, 2, 3\)",
+        (ValueError, r"k and v must have one shape, got \(1, 4, 2, 3\), \(1, 2, 2, 3\)",
          lambda: attention.forward(q, q, q[:, :2])),
+        (ValueError, r"q and k, v must agree in batch, local_seq and head_dim, got q "
+                     r"\(1, 4, 2, 3\), k and v \(1, 2, 2, 3\)",
+         lambda: attention.forward(q, q[:, :2], q[:, :2])),
         (TypeError, "q, k and v must have one dtype, got float64, float64, float32",
          lambda: attention.forward(q, q, q.astype(np.float32))),
         (TypeError, "q, k and v must be floating point, got int32",
          lambda: attention.forward(*[q.astype(np.int32)] * 3)),
         (ValueError, "zigzag sharding over 2 ranks needs a sequence length divisible by 4, "
                      "got 6 \\(3 tokens on each of 2 ranks\\)", lambda: attention.forward(*[np.zeros((1, 3, 2, 3))] * 3)),
-        (ValueError, r"q, k and v must have no empty axis, got shape \(0, 4, 2, 3\)", lambda: attention.forward(*[np.zeros((0, 4, 2, 3))] * 3)),
+        (ValueError, r"q, k and v must have no empty axis, got shapes \(0, 4, 2, 3\), \(0, 4, 2, 3\)", lambda: attention.forward(*[np.zeros((0, 4, 2, 3))] * 3)),
         (RuntimeError, r"backward\(\) called before forward\(\)",
          lambda: attention.backward(q)),
     ]
@@ -291,6 +437,47 @@ def test_backward_needs_the_forwards_output_shape_and_runs_once(layer):
         attention.backward(grad)
 
 
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_one_rank_multi_query_attention(layer):
+    q, k, v, grad = _grouped_inputs(1)
+    attention = LAYERS[layer](SilentComm(0, 1), causal=True)
+    got = [attention.forward(q, k, v)] + list(attention.backward(grad))
+    for have, want in zip(got, reference_grouped_attention(q, k, v, grad, True)):
+        np.testing.assert_allclose(have, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_bad_grouped_inputs_are_refused_before_anything_is_sent(layer):
+    attention = LAYERS[layer](SilentComm(0, 2))
+    name = LAYERS[layer].__name__
+    q = np.zeros((1, 4, 6, 3))
+    cases = [
+        (r"q's 6 heads are not a multiple of k and v's 4 heads \(grouped-query attention needs "
+         r"heads % kv_heads == 0\)", (q, np.zeros((1, 4, 4, 3)), np.zeros((1, 4, 4, 3)))),
+        (r"k and v must have one shape, got \(1, 4, 2, 3\), \(1, 4, 3, 3\)",
+         (q, np.zeros((1, 4, 2, 3)), np.zeros((1, 4, 3, 3)))),
+        (r"q and k, v must agree in batch, local_seq and head_dim, got q \(1, 4, 6, 3\), k and "
+         r"v \(1, 4, 2, 5\)", (q, np.zeros((1, 4, 2, 5)), np.zeros((1, 4, 2, 5)))),
+        (r"q and k, v must agree in batch, local_seq and head_dim, got q \(1, 4, 6, 3\), k and "
+         r"v \(2, 4, 2, 3\)", (q, np.zeros((2, 4, 2, 3)), np.zeros((2, 4, 2, 3)))),
+        (r"q, k and v must have no empty axis, got shapes \(1, 4, 6, 3\), \(1, 4, 0, 3\)",
+         (q, np.zeros((1, 4, 0, 3)), np.zeros((1, 4, 0, 3)))),
+    ]
+    if layer == "ulysses":
+        cases.append((r"3 key/value heads can neither be split over nor copied to the "
+                      r"context-parallel group's 2 ranks \(kv_heads must be a multiple or a "
+                      r"divisor of 2\); RingAttention takes any kv_heads that divides heads "
+                      r"\(6\)", (q, np.zeros((1, 4, 3, 3)), np.zeros((1, 4, 3, 3)))))
+    for message, (qq, kk, vv) in cases:
+        with pytest.raises(ValueError, match=f"{name}: {message}"):
+            attention.forward(qq, kk, vv)
+    if layer == "ulysses":   # 3 ranks: 1 and 3 key/value heads fit, 2 does not
+        attention = LAYERS[layer](SilentComm(0, 3))
+        with pytest.raises(ValueError, match="2 key/value heads can neither be split over nor "
+                                             "copied to the context-parallel group's 3 ranks"):
+            attention.forward(q, np.zeros((1, 4, 2, 3)), np.zeros((1, 4, 2, 3)))
+
+
 # ---------------------------------------------------------------------------- disagreement
 def rank_with_its_own_length(comm, layer):
     seq = 4 if comm.rank else 6
@@ -317,14 +504,40 @@ def test_ranks_with_different_sequence_lengths_get_an_error_not_a_hang(layer):
             message
 
 
+def rank_with_its_own_kv_heads(comm, layer):
+    q, k, v, _ = _grouped_inputs(2 if comm.rank == 0 else 4)
+    q, k, v = (shard_sequence(x, comm.rank, comm.size) for x in (q, k, v))
+    try:
+        LAYERS[layer](comm).forward(q, k, v)
+        return "finished"
+    except gpucoll.GpucollError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_ranks_with_different_kv_heads_get_an_error_not_a_hang(layer):
+    """Rank 0 has 2 key/value heads, rank 1 has 4: the first exchange's sizes differ (ring: k
+    and v, 320 bytes a token and key/value head; Ulysses: q with them) and both ranks are
+    told both sizes."""
+    messages = run_ranks(rank_with_its_own_kv_heads, 2, layer, timeout=60,
+                         env=dict(_ONE_BLAS, GPUCOLL_TIMEOUT="10"))
+    tokens = SEQ // 2
+    queries = 0 if layer == "ring" else tokens * BATCH * HEADS * DIM * 8
+    sizes = [queries + tokens * 2 * BATCH * heads * DIM * 8 for heads in (2, 4)]
+    for rank, message in enumerate(messages):
+        assert message.startswith(("CollectiveMismatchError", "PeerError")), message
+        assert f"rank {rank}" in message
+        assert all(f"{size} bytes" in message for size in sizes), (sizes, message)
+
+
 # ---------------------------------------------------------------------------- on a GPU
-def _cupy_attention(comm, layer):
+def _cupy_attention(comm, layer, kv_heads):
     """CuPy arrays; the exchanges on a stream of their own where the backend is NCCL."""
     import cupy
 
     attention = LAYERS[layer](comm, causal=True, sharding="zigzag")
     q, k, v, grad = (cupy.asarray(shard_sequence(x, comm.rank, comm.size, "zigzag"))
-                     for x in _inputs())
+                     for x in _grouped_inputs(kv_heads))
     out = attention.forward(q, k, v)
     grads = attention.backward(grad)
     assert all(isinstance(a, cupy.ndarray) for a in [out, *grads])
@@ -332,18 +545,18 @@ def _cupy_attention(comm, layer):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads", [HEADS, 1])
 @pytest.mark.parametrize("layer", ["ring", "ulysses"])
-def test_cupy_arrays_over_the_cpu_backend(layer):
-    per_rank = run_ranks(_cupy_attention, 2, layer, timeout=120, env=_ONE_BLAS)
-    _check_against_reference([(arrays, None) for arrays, _ in per_rank], "zigzag", True,
-                             rtol=1e-10, atol=1e-12)
+def test_cupy_arrays_over_the_cpu_backend(layer, kv_heads):
+    per_rank = run_ranks(_cupy_attention, 2, layer, kv_heads, timeout=120, env=_ONE_BLAS)
+    _check_grouped(per_rank, kv_heads, "zigzag", True)
 
 
 @pytest.mark.gpu
 @two_ranks
+@pytest.mark.parametrize("kv_heads", [HEADS, 1])
 @pytest.mark.parametrize("layer", ["ring", "ulysses"])
-def test_over_nccl_two_ranks_on_one_gpu(layer):
-    per_rank = run_ranks(on_nccl, 2, _cupy_attention, layer, init=False, env=MULTI_RANK_ENV,
-                         timeout=240)
-    _check_against_reference([(arrays, None) for arrays, _ in per_rank], "zigzag", True,
-                             rtol=1e-10, atol=1e-12)
+def test_over_nccl_two_ranks_on_one_gpu(layer, kv_heads):
+    per_rank = run_ranks(on_nccl, 2, _cupy_attention, layer, kv_heads, init=False,
+                         env=MULTI_RANK_ENV, timeout=240)
+    _check_grouped(per_rank, kv_heads, "zigzag", True)

@@ -11,7 +11,9 @@ Backward runs the ring again: the keys and values go round once more, and with e
 travels the gradient of its keys and values, to which each rank adds its share before passing
 it on; after ``p`` steps it arrives home complete. The queries' gradient stays local.
 
-Wire per rank, with a block of ``2 * batch * S/p * H * D`` elements (its keys and values):
+Wire per rank, with a block of ``2 * batch * S/p * kv_heads * D`` elements (its keys and
+values, at their own head count: grouped-query attention with ``kv_heads < heads`` shrinks
+every message by ``kv_heads / heads``):
 ``p - 1`` blocks forward, in the inputs' dtype; backward ``p - 1`` blocks again plus ``p`` of
 key/value gradient, in the compute dtype (float32 for 16-bit inputs, so the sum over the ring
 is not rounded p times).
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .base import ContextParallelAttention
+from .base import ContextParallelAttention, group_queries, grouped_segments, ungroup_queries
 from .blockwise import RunningSoftmax, attend, attend_backward
 
 __all__ = ["RingAttention"]
@@ -47,9 +49,14 @@ class RingAttention(ContextParallelAttention):
             inputs must be split that way (:func:`gpucoll.cp.shard_sequence`).
         scale: the scores' factor, default ``1 / sqrt(head_dim)``.
 
+    ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query / multi-query attention,
+    ``heads % kv_heads == 0``): they travel at their own head count, and ``dk, dv`` come back
+    shaped like them, summed over each group of query heads.
+
     Raises:
-        ValueError / TypeError: inputs of different shapes or dtypes, not floating point, or a
-            sequence length the sharding cannot split (named, before anything is sent).
+        ValueError / TypeError: inputs of mismatched shapes or dtypes, ``kv_heads`` not
+            dividing ``heads``, not floating point, or a sequence length the sharding cannot
+            split (named, before anything is sent).
 
     Example (two ranks, a causal sequence of 1024 tokens)::
 
@@ -86,8 +93,10 @@ class RingAttention(ContextParallelAttention):
         xp, compute = self._check_inputs(q, k, v)
         comm, size = self.comm, self.comm.size
         total, scale = int(q.shape[1]) * size, self._scale(int(q.shape[3]))
-        mine = self.local_segments(total, comm.rank)
-        queries = self.to_heads_first(q, compute, xp)
+        kv_heads, seq = int(k.shape[2]), int(q.shape[1])
+        mine = grouped_segments(self.local_segments(total, comm.rank),
+                                int(q.shape[2]) // kv_heads, seq)
+        queries = group_queries(self.to_heads_first(q, compute, xp), kv_heads)
         blocks = xp.stack([self.to_heads_first(k, q.dtype, xp),
                            self.to_heads_first(v, q.dtype, xp)])     # (2, b, h, s, d) on the wire
         own, inbox = blocks, _Inboxes(blocks, xp)
@@ -106,8 +115,9 @@ class RingAttention(ContextParallelAttention):
         out, lse = softmax.finish()
         self.sent_bytes = {"forward": sent, "backward": 0}
         self._saved = dict(shape=tuple(q.shape), dtype=q.dtype, xp=xp, queries=queries, own=own,
-                           out=out, lse=lse, total=total, scale=scale, compute=compute)
-        return self.to_tokens_first(out, q.dtype, xp)
+                           out=out, lse=lse, total=total, scale=scale, compute=compute,
+                           mine=mine)
+        return self.to_tokens_first(ungroup_queries(out, int(q.shape[2])), q.dtype, xp)
 
     # ------------------------------------------------------------------ backward
     def backward(self, grad_out: Any):
@@ -117,13 +127,13 @@ class RingAttention(ContextParallelAttention):
         comm, size = self.comm, self.comm.size
         xp, compute, scale = saved["xp"], saved["compute"], saved["scale"]
         total, queries = saved["total"], saved["queries"]
-        mine = self.local_segments(total, comm.rank)
-        grad = self.to_heads_first(grad_out, compute, xp)
+        mine, kv_heads = saved["mine"], int(queries.shape[1])
+        grad = group_queries(self.to_heads_first(grad_out, compute, xp), kv_heads)
         delta = (grad * saved["out"]).sum(axis=-1)
         dq = xp.zeros_like(queries)
         blocks = saved["own"]
         inbox = _Inboxes(blocks, xp)
-        travelling = xp.zeros((2,) + queries.shape, dtype=compute)   # dk, dv of the block here
+        travelling = xp.zeros(blocks.shape, dtype=compute)   # dk, dv of the block here
         arriving = xp.empty_like(travelling) if size > 1 else None
         sent, grads_work = 0, None
         for step in range(size):
@@ -148,6 +158,7 @@ class RingAttention(ContextParallelAttention):
             travelling = arriving
         self.sent_bytes = {"forward": self.sent_bytes["forward"], "backward": sent}
         dtype = saved["dtype"]
+        dq = ungroup_queries(dq, saved["shape"][2])
         return (self.to_tokens_first(dq, dtype, xp), self.to_tokens_first(travelling[0], dtype, xp),
                 self.to_tokens_first(travelling[1], dtype, xp))
 
