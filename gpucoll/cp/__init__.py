@@ -7,8 +7,9 @@
   ``"contiguous"`` and ``"zigzag"`` (causal load-balanced) splits of a sequence.
 
 Both layers take ``q, k, v`` as ``(batch, local_seq, heads, head_dim)`` NumPy or CuPy arrays and
-return the output and ``(dq, dk, dv)`` in the same layout; only the ``Communicator`` interface is
-used. Importing this package never imports CuPy.
+return the output and ``(dq, dk, dv)`` in the same layout; ``k, v`` may have fewer heads
+(grouped-query / multi-query attention, ``heads % kv_heads == 0``). Only the ``Communicator``
+interface is used. Importing this package never imports CuPy.
 """
 
 from .ring import RingAttention
