@@ -479,14 +479,18 @@ def test_bad_grouped_inputs_are_refused_before_anything_is_sent(layer):
 
 
 # ---------------------------------------------------------------------------- disagreement
-def rank_with_its_own_length(comm, layer):
-    seq = 4 if comm.rank else 6
-    q, k, v, _ = _inputs(seq=seq)
+def _forward_outcome(comm, layer, q, k, v):
+    """"finished", or the error a forward of ``layer`` raised on this rank, as text."""
     try:
         LAYERS[layer](comm).forward(q, k, v)
         return "finished"
     except gpucoll.GpucollError as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+def rank_with_its_own_length(comm, layer):
+    q, k, v, _ = _inputs(seq=4 if comm.rank else 6)
+    return _forward_outcome(comm, layer, q, k, v)
 
 
 @pytest.mark.parametrize("layer", ["ring", "ulysses"])
@@ -507,11 +511,7 @@ def test_ranks_with_different_sequence_lengths_get_an_error_not_a_hang(layer):
 def rank_with_its_own_kv_heads(comm, layer):
     q, k, v, _ = _grouped_inputs(2 if comm.rank == 0 else 4)
     q, k, v = (shard_sequence(x, comm.rank, comm.size) for x in (q, k, v))
-    try:
-        LAYERS[layer](comm).forward(q, k, v)
-        return "finished"
-    except gpucoll.GpucollError as exc:
-        return f"{type(exc).__name__}: {exc}"
+    return _forward_outcome(comm, layer, q, k, v)
 
 
 @pytest.mark.parametrize("layer", ["ring", "ulysses"])
