@@ -13,6 +13,7 @@ importing the package does not import ``gpucoll.config`` (``python -m gpucoll.co
 cleanly).
 """
 
+from .batch_p2p import P2POp
 from .communicator import Communicator
 from .default_comm import default, destroy, get_rank, get_world_size, is_initialized
 from .errors import (AuthenticationError, BackendUnavailableError, CollectiveMismatchError,
@@ -29,7 +30,7 @@ __all__ = [
     "CollectiveMismatchError", "CommAbortedError", "BackendUnavailableError",
     "AuthenticationError", "StoreError", "NotInitializedError", "UnsupportedOperationError",
     "default", "destroy", "get_rank", "get_world_size", "is_initialized", "register_backend",
-    "available_backends", "spawn", "SpawnError", "Mesh", "__version__",
+    "available_backends", "spawn", "SpawnError", "Mesh", "P2POp", "__version__",
 ]
 
 

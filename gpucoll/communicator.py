@@ -11,6 +11,7 @@ import abc
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple, Union
 
+from .batch_p2p import BatchP2P
 from .errors import CommAbortedError, UnsupportedOperationError
 from .composite import CompositeCollectives
 from .composite_alltoall import UnevenAllToAll
@@ -31,7 +32,7 @@ def _shape_of(x: Array) -> Tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, abc.ABC):
+class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, BatchP2P, abc.ABC):
     """A group of ``size`` ranks that run collectives together.
 
     Besides the collectives below, every backend has the object collectives and uneven
@@ -39,7 +40,8 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, abc.A
     ``all_gather_object``, ``gather_object``, ``scatter_object``, ``all_gather_v``,
     ``gather_v``) and the uneven ``all_to_all_v`` of
     :class:`gpucoll.composite_alltoall.UnevenAllToAll`, built on these, and the point-to-point
-    ``sendrecv`` of :class:`gpucoll.sendrecv.SendRecv` (a send and a receive at once). Its
+    ``sendrecv`` of :class:`gpucoll.sendrecv.SendRecv` (a send and a receive at once) and
+    ``batch_isend_irecv`` of :class:`gpucoll.batch_p2p.BatchP2P` (many at once). Its
     world ranks and sub-communicators (``ranks``, ``split``, ``new_group``, ``host_group``)
     are those of :class:`gpucoll.groups.Groups`.
 

@@ -15,12 +15,12 @@ their order, and the receiving side checks that what arrives matches ``out`` and
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from .errors import CommAbortedError, CommTimeoutError
 from .work import Work
 
-__all__ = ["SendRecv", "PairWork"]
+__all__ = ["SendRecv", "PairWork", "GroupWork"]
 
 
 def _extent(array: Any) -> Optional[Tuple[int, int]]:
@@ -34,12 +34,16 @@ def _extent(array: Any) -> Optional[Tuple[int, int]]:
     return start, start + int(array.nbytes)
 
 
-def _overlap(x: Any, out: Any) -> bool:
-    """Whether ``x`` and ``out`` share memory (as far as their interfaces tell)."""
-    a, b = _extent(x), _extent(out)
+def _extents_overlap(a: Optional[Tuple[int, int]], b: Optional[Tuple[int, int]]) -> bool:
+    """Whether two extents (from ``_extent``) share a byte; unknown and empty ones do not."""
     if a is None or b is None or a[0] == a[1] or b[0] == b[1]:
         return False
     return a[0] < b[1] and b[0] < a[1]
+
+
+def _overlap(x: Any, out: Any) -> bool:
+    """Whether ``x`` and ``out`` share memory (as far as their interfaces tell)."""
+    return _extents_overlap(_extent(x), _extent(out))
 
 
 def _cause(errors: List[BaseException]) -> BaseException:
@@ -51,24 +55,25 @@ def _cause(errors: List[BaseException]) -> BaseException:
     return errors[0]
 
 
-class PairWork(Work):
-    """The ``Work`` of a receive and a send issued together (``sendrecv``): finished once both
-    are, and as :mod:`gpucoll.work` says: ``wait()`` blocks until both halves have finished
-    (bounded, one limit for the pair) and raises the error that failed the pair;
-    ``is_completed()`` and ``exception()`` never block; ``result()`` is the receive's output.
+class GroupWork(Work):
+    """The ``Work`` of point-to-point operations issued together (``sendrecv``,
+    ``batch_isend_irecv``): finished once all of them are, and as :mod:`gpucoll.work` says:
+    ``wait()`` blocks until every part has finished (bounded, one limit for the group) and
+    raises the error that failed the group, not the abort it led to; ``is_completed()`` and
+    ``exception()`` never block.
     """
 
-    def __init__(self, op: str, receiving: Work, sending: Work):
-        super().__init__(op, receiving.seq, receiving.rank,
-                         max(receiving._default_timeout, sending._default_timeout))
-        self._parts = (receiving, sending)
+    def __init__(self, op: str, parts: Sequence[Work]):
+        super().__init__(op, parts[0].seq, parts[0].rank,
+                         max(part._default_timeout for part in parts))
+        self._parts = tuple(parts)
 
     def is_completed(self) -> bool:
-        """True once both the receive and the send have finished (successfully or not)."""
+        """True once every part has finished (successfully or not)."""
         return all(part.is_completed() for part in self._parts)
 
     def exception(self) -> Optional[BaseException]:
-        """The pair's error once both halves have finished, else None; never blocks."""
+        """The group's error once every part has finished, else None; never blocks."""
         if not self.is_completed():
             return None
         errors = [error for error in (part.exception() for part in self._parts)
@@ -76,51 +81,64 @@ class PairWork(Work):
         return _cause(errors) if errors else None
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until both halves finish, at most ``timeout`` seconds for the two together
+        """Block until every part finishes, at most ``timeout`` seconds for all together
         (None: the communicator's timeout); return True.
 
         Raises:
             CommTimeoutError: not finished in time (the communicator is aborted).
-            The error that failed the pair (PeerError, CollectiveMismatchError...).
+            The error that failed the group (PeerError, CollectiveMismatchError...).
         """
         limit = self._default_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         errors: List[BaseException] = []
-        for part in self._parts:
+        for index, part in enumerate(self._parts):
             try:
                 part.wait(max(deadline - time.monotonic(), 0.0))
-            except CommTimeoutError as exc:  # the half's wait aborted the communicator
-                errors.append(self._timed_out(part, limit, timeout is None, exc)
+            except CommTimeoutError as exc:  # the part's wait aborted the communicator
+                errors.append(self._timed_out(index, limit, timeout is None, exc)
                               if time.monotonic() >= deadline else exc)
-            except BaseException as exc:  # the other half is still waited for, then reported
+            except BaseException as exc:  # the other parts are still waited for, then reported
                 errors.append(exc)
         if errors:
             raise _cause(errors)
         return True
 
-    def _timed_out(self, part: Work, limit: float, default: bool,
+    def _describe(self, index: int) -> str:
+        """How a timeout names part ``index``."""
+        part = self._parts[index]
+        return f"{part.op} #{part.seq}"
+
+    def _timed_out(self, index: int, limit: float, default: bool,
                    exc: CommTimeoutError) -> CommTimeoutError:
-        """The pair's own timeout error (the half's says how long that half was waited for)."""
+        """The group's own timeout error (the part's says how long that part was waited for)."""
         error = CommTimeoutError(
             f"rank {self.rank}: wait() on {self.op} #{self.seq} timed out after {limit:g} s: "
-            f"its {part.op} #{part.seq} had not finished" +
+            f"its {self._describe(index)} had not finished" +
             (" (wait(timeout=) sets the limit; its default follows GPUCOLL_TIMEOUT or "
              "init(timeout=))" if default else ""),
             rank=self.rank, peer=exc.peer, op=self.op, seq=self.seq)
         error.__cause__ = exc
         return error
 
-    def result(self, timeout: Optional[float] = None) -> Any:
-        """Wait, then return the receive's output array (``out``, in the caller's type)."""
-        self.wait(timeout)
-        value = self._parts[0]._result
-        return value if self._map is None else self._map(value)
-
     def __repr__(self) -> str:
         error = self.exception()
         state = f"failed: {type(error).__name__}" if error is not None else \
             "done" if self.is_completed() else "pending"
         return f"<Work {self.op} #{self.seq} rank {self.rank} {state}>"
+
+
+class PairWork(GroupWork):
+    """The ``Work`` of ``sendrecv``: a receive and a send, waited as one :class:`GroupWork`;
+    ``result()`` is the receive's output."""
+
+    def __init__(self, op: str, receiving: Work, sending: Work):
+        super().__init__(op, (receiving, sending))
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        """Wait, then return the receive's output array (``out``, in the caller's type)."""
+        self.wait(timeout)
+        value = self._parts[0]._result
+        return value if self._map is None else self._map(value)
 
 
 class SendRecv:

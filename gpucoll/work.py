@@ -77,9 +77,9 @@ class Work:
             raise self._exception
         return True
 
-    def synchronize(self) -> bool:
+    def synchronize(self, timeout: Optional[float] = None) -> bool:
         """Block the host until the operation has finished (same as ``wait`` on the CPU)."""
-        return self.wait()
+        return self.wait(timeout)
 
     def result(self, timeout: Optional[float] = None) -> Any:
         """Wait, then return the operation's output array (None for sends)."""

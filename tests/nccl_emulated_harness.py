@@ -1,6 +1,7 @@
 """Shared set-up of the emulated-NCCL tests: the emulation fixture, ranks as threads
 (``run(n, fn)``), the dtype tables and helpers. See tests/emulated_cuda/ for the model."""
 
+import collections
 import itertools
 import threading
 import time
@@ -104,6 +105,25 @@ def run(emu, tmp_path):
         return results
 
     return run
+
+
+@pytest.fixture
+def traced(emu, monkeypatch):
+    """thread id -> the NCCL calls (group brackets, sends, receives) that thread made."""
+    log = collections.defaultdict(list)
+
+    def tracing(name, real):
+        def call(*args, **kwargs):
+            log[threading.get_ident()].append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("groupStart", "groupEnd"):
+        monkeypatch.setattr(emu.nccl, name, tracing(name, getattr(emu.nccl, name)))
+    for name in ("send", "recv"):
+        comm_type = emu.nccl.NcclCommunicator
+        monkeypatch.setattr(comm_type, name, tracing(name, getattr(comm_type, name)))
+    return log
 
 
 def _calls(emu, comm, name=None):

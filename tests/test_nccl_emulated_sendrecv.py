@@ -7,7 +7,6 @@ a large one, so a ring in which every rank sends first completes only when each 
 grouped with its receive. Ranks are threads (see tests/nccl_emulated_harness.py).
 """
 
-import collections
 import threading
 
 import numpy as np
@@ -15,30 +14,11 @@ import pytest
 
 from gpucoll.backends.nccl import CudaWork
 
-from nccl_emulated_harness import _calls, _Foreign, emu, run  # noqa: F401
+from nccl_emulated_harness import _calls, _Foreign, emu, run, traced  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 
 GROUPED = ["groupStart", "send", "recv", "groupEnd"]
-
-
-@pytest.fixture
-def traced(emu, monkeypatch):
-    """thread id -> the NCCL calls (group brackets, sends, receives) that thread made."""
-    log = collections.defaultdict(list)
-
-    def tracing(name, real):
-        def call(*args, **kwargs):
-            log[threading.get_ident()].append(name)
-            return real(*args, **kwargs)
-        return call
-
-    for name in ("groupStart", "groupEnd"):
-        monkeypatch.setattr(emu.nccl, name, tracing(name, getattr(emu.nccl, name)))
-    for name in ("send", "recv"):
-        comm_type = emu.nccl.NcclCommunicator
-        monkeypatch.setattr(comm_type, name, tracing(name, getattr(comm_type, name)))
-    return log
 
 
 def _message(rank, n):

@@ -386,14 +386,14 @@ class MPICommunicator(HostShortPaths, Communicator):
             self._p2p[channel] = self._p2p.get(channel, 0) + 1
             return self._p2p[channel]
 
-    def _check_tag(self, tag: int) -> None:
+    def _check_tag_limit(self, tag: int) -> None:
         if tag > self._tag_ub:
             raise ValueError(f"tag={tag} exceeds this MPI library's largest tag (MPI_TAG_UB = "
                              f"{self._tag_ub})")
 
     def _send(self, x, dst: int, tag: int, async_op: bool, stream=None):
         self._check_alive()
-        self._check_tag(tag)
+        self._check_tag_limit(tag)
         src = self._stage(x, stream)
         number = self._message_number(("send", dst))
         return self._run("send", number,
@@ -402,7 +402,7 @@ class MPICommunicator(HostShortPaths, Communicator):
 
     def _recv(self, out, src: int, tag: int, async_op: bool, stream=None):
         self._check_alive()
-        self._check_tag(tag)
+        self._check_tag_limit(tag)
         dst = self._stage(out, stream)
         number = self._message_number(("recv", src))
         status = mpi().Status()

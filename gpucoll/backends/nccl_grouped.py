@@ -2,14 +2,16 @@
 
 NCCL runs the ``ncclSend`` and ``ncclRecv`` calls between one ``groupStart`` and ``groupEnd``
 as one operation, so none of them waits for another: that is how gather, scatter, all_to_all
-and the exact all_to_all_v move their blocks, and how ``sendrecv`` sends to one rank while it
-receives from another. Issued separately on one stream, a large ``ncclSend`` waits for its
+and the exact all_to_all_v move their blocks, how ``sendrecv`` sends to one rank while it
+receives from another, and how ``batch_isend_irecv`` issues a whole list of sends and receives. Issued separately on one stream, a large ``ncclSend`` waits for its
 receiver, so neighbours in a ring that all send first would deadlock on the GPU.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
+
+from ..batch_p2p import batch_works
 
 __all__ = ["GroupedPointToPoint"]
 
@@ -49,3 +51,16 @@ class GroupedPointToPoint:
         launch = self._grouped([(x.data.ptr, x.nbytes, dst)], [(out.data.ptr, out.nbytes, src)],
                                [])
         return self._enqueue("sendrecv", launch, stream, async_op, out, peer=src)
+
+    def _batch_isend_irecv(self, items: List[Any], stream: Any = None) -> List[Any]:
+        """One group of every ``ncclSend`` and ``ncclRecv`` of the batch, enqueued as one
+        point-to-point operation: one event, one ``CudaWork`` that the per-operation Works
+        share. A timeout names the peer of the first receive (else of the first send)."""
+        sends = [(item.array.data.ptr, item.array.nbytes, item.peer)
+                 for item in items if item.kind == "send"]
+        recvs = [(item.array.data.ptr, item.array.nbytes, item.peer)
+                 for item in items if item.kind == "recv"]
+        peer = next((item.peer for item in items if item.kind == "recv"), items[0].peer)
+        work = self._enqueue("batch_isend_irecv", self._grouped(sends, recvs, []), stream, True,
+                             None, peer=peer)
+        return batch_works(work, items)
