@@ -384,7 +384,7 @@ def test_mismatch_is_named(pool, kind):
     assert all(y == [float(pool.world_size)] * 2 for _, y in results), results
     pair = [outcome for outcome, _ in results[:2]]
     # each rank of the pair fails; at least one names the mismatch (the other may see the
-    # pair aborted first); none reports only the abort its own failed receive caused
+    # pair aborted first), from the send's Work or at once, though the receive failed
     assert all(name in ("CollectiveMismatchError", "PeerError", "CommAbortedError")
                for name, _ in pair), pair
     named = [text for name, text in pair if name == "CollectiveMismatchError"]

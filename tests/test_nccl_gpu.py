@@ -4,8 +4,8 @@ One GPU: every collective on a 1-rank communicator for every dtype and op, usage
 anything is enqueued, the watchdog on a deliberately stalled stream, DLPack and torch tensors,
 asynchronous Work and streams. Two ranks on one GPU when NCCL >= 2.30 allows it
 (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS capped), in real processes under a hard timeout:
-the collectives, and a large ``sendrecv`` both ways at once; three such ranks, one SIGKILLed,
-for ``shrink()``.
+the collectives, a large ``sendrecv`` both ways at once and a ``batch_isend_irecv`` halo
+exchange; three such ranks, one SIGKILLed, for ``shrink()``.
 """
 
 import time
@@ -418,6 +418,32 @@ def test_two_ranks_on_one_gpu_exchange_large_arrays_with_sendrecv():
     this completes only because each send is grouped with its receive."""
     assert run_ranks(_rank_sendrecv, 2, init=False, env=MULTI_RANK_ENV, timeout=240) == \
         [(True, True)] * 2
+
+
+def _batch_halo(comm):
+    """A periodic halo exchange of two ranks: both faces go to the one neighbour, both come
+    from it; 32 MiB of float32 each message, all four in one NCCL group."""
+    import cupy
+
+    rank, peer = comm.rank, 1 - comm.rank
+    count = 8 * 2 ** 20
+    to_right, to_left = (cupy.asarray(make_input(12 + side, rank, (count,), "float32"))
+                         for side in (0, 1))
+    from_left, from_right = cupy.zeros(count, cupy.float32), cupy.zeros(count, cupy.float32)
+    works = comm.batch_isend_irecv([
+        gpucoll.P2POp("recv", from_left, peer), gpucoll.P2POp("recv", from_right, peer),
+        gpucoll.P2POp("send", to_right, peer), gpucoll.P2POp("send", to_left, peer)])
+    assert works[0].synchronize() and works[1].result() is from_right
+    return (bool((cupy.asnumpy(from_left) == make_input(12, peer, (count,), "float32")).all()),
+            bool((cupy.asnumpy(from_right) == make_input(13, peer, (count,), "float32")).all()))
+
+
+@two_ranks
+def test_two_ranks_on_one_gpu_halo_exchange_with_batch_isend_irecv():
+    """Every rank sends both faces before it receives: NCCL's sends wait for their receivers,
+    so this completes only because the batch is one group."""
+    assert run_ranks(on_nccl, 2, _batch_halo, init=False, env=MULTI_RANK_ENV,
+                     timeout=240) == [(True, True)] * 2
 
 
 def _rank_stalls(rank, size, url):

@@ -121,18 +121,19 @@ def test_all_to_all_is_one_group_of_byte_sends_and_receives(calls):
         last = ("send", 40, UINT8, 1, stream) if rank == 0 else ("recv", 40, UINT8, 0, stream)
         assert p2p[:3] == [("send", 16, UINT8, 1 - rank, stream),
                            ("recv", 16, UINT8, 1 - rank, stream), last], (rank, p2p)
-    # each rank's grouped pairs (all_to_all's, then sendrecv's) sit between its own thread's
-    # groupStart and groupEnd
+    # each rank's grouped calls (all_to_all's, sendrecv's, then batch_isend_irecv's) sit
+    # between its own thread's groupStart and groupEnd
     by_thread = defaultdict(list)
     for name, _, args in ordered:
         by_thread[args["thread"]].append(name)
-    brackets = 0
+    groups = []
     for names in by_thread.values():
-        for start in (i for i, n in enumerate(names) if n == "groupStart"):
-            assert names[start + 1:start + 4] == ["send", "recv", "groupEnd"], names
-            brackets += 1
-        assert names.count("groupStart") == names.count("groupEnd")
-    assert brackets == 4
+        assert names.count("groupStart") == names.count("groupEnd"), names
+        starts = [i for i, n in enumerate(names) if n == "groupStart"]
+        if starts:
+            groups.append([names[i + 1:names.index("groupEnd", i)] for i in starts])
+    assert groups == [[["send", "recv"], ["send", "recv"],
+                       ["send", "send", "recv", "recv"]]] * 2, groups
 
 
 def test_sendrecv_is_one_group_of_one_send_and_one_receive(calls):
@@ -140,13 +141,30 @@ def test_sendrecv_is_one_group_of_one_send_and_one_receive(calls):
     for rank in (0, 1):
         other, stream = 1 - rank, info["ranks"][str(rank)]["stream"]
         p2p = [c for c in per_rank[rank] if c[0] in ("send", "recv")]
-        assert [_brief(c, ("count", "datatype", "peer", "stream")) for c in p2p[3:]] == \
+        assert [_brief(c, ("count", "datatype", "peer", "stream")) for c in p2p[3:5]] == \
             [("send", 12 + 4 * rank, UINT8, other, stream),     # x: float32 (3 + rank,)
              ("recv", 12 + 4 * other, UINT8, other, stream)], (rank, p2p)  # out: (3 + other,)
         thread = p2p[3][1]["thread"]
         names = [name for name, _, args in ordered if args["thread"] == thread]
-        start = len(names) - 1 - names[::-1].index("groupStart")  # the rank's last group
+        start = [i for i, name in enumerate(names) if name == "groupStart"][1]  # its second
         assert names[start:start + 4] == ["groupStart", "send", "recv", "groupEnd"], names
+
+
+def test_batch_isend_irecv_is_one_group_of_every_send_and_receive(calls):
+    per_rank, info, ordered = calls
+    for rank in (0, 1):
+        other, stream = 1 - rank, info["ranks"][str(rank)]["stream"]
+        p2p = [c for c in per_rank[rank] if c[0] in ("send", "recv")]
+        assert [_brief(c, ("count", "datatype", "peer", "stream")) for c in p2p[5:]] == \
+            [("send", 16 + 8 * rank, UINT8, other, stream),     # int64 (2 + rank,)
+             ("send", 5, UINT8, other, stream),
+             ("recv", 16 + 8 * other, UINT8, other, stream),    # int64 (2 + other,)
+             ("recv", 5, UINT8, other, stream)], (rank, p2p)
+        thread = p2p[5][1]["thread"]
+        names = [name for name, _, args in ordered if args["thread"] == thread]
+        start = len(names) - 1 - names[::-1].index("groupStart")  # the rank's last group
+        assert names[start:start + 6] == ["groupStart", "send", "send", "recv", "recv",
+                                          "groupEnd"], names
 
 
 def test_split_passes_color_and_key_and_every_communicator_is_destroyed(calls):

@@ -7,7 +7,8 @@ in every queue it uses. Collectives use every channel; ``send``/``isend`` to ran
 "send to p", ``recv``/``irecv`` from p only "receive from p". So messages appear on each
 connection in issue order, asynchronous point-to-point transfers in opposite directions
 progress together (no deadlock when two ranks both isend a large array and then irecv;
-``sendrecv`` is such an irecv and isend, waited together), and a blocking collective issued
+``sendrecv`` is such an irecv and isend, waited together; ``batch_isend_irecv`` every irecv,
+then every isend of its list), and a blocking collective issued
 after ``async_op`` work runs after it.
 
 CuPy arrays (anything with ``__cuda_array_interface__``) are staged through host memory and

@@ -6,7 +6,8 @@ absent peer raises ``CommTimeoutError`` naming the op and its sequence number in
 blocking forever (MPI itself would); the communicator is then aborted. ``async_op=True``,
 ``isend`` and ``irecv`` return a :class:`MPIWork` over the request, polled the same way by
 ``wait()``; ``sendrecv`` is an ``Irecv`` and an ``Isend`` waited together (the default of
-:mod:`gpucoll.sendrecv`). Blocking collectives on host NumPy arrays take the short paths of
+:mod:`gpucoll.sendrecv`), ``batch_isend_irecv`` every ``Irecv`` then every ``Isend`` of its list
+(:mod:`gpucoll.batch_p2p`). Blocking collectives on host NumPy arrays take the short paths of
 :mod:`.mpi_short` (with GPUCOLL_MPI_BLOCKING=1, MPI's blocking forms under the watchdog of
 :mod:`.mpi_blocking`). MPI orders collectives by issue order, and messages between two
 ranks arrive in send order.

@@ -15,8 +15,8 @@ Stream contract
 
 Which NCCL call
     all_reduce, broadcast, reduce, all_gather and reduce_scatter are NCCL's own collectives;
-    gather, scatter, all_to_all and sendrecv are grouped ``ncclSend``/``ncclRecv``
-    (:mod:`.nccl_grouped`), send and recv a lone ``ncclSend``/``ncclRecv``; barrier is a waited
+    gather, scatter, all_to_all, sendrecv and batch_isend_irecv are grouped ``ncclSend`` /
+    ``ncclRecv`` (:mod:`.nccl_grouped`), send and recv a lone one; barrier is a waited
     one-element all-reduce; split is ``ncclCommSplit``; AVG is NCCL's own average. NCCL reduces
     (u)int8/32/64, float16, bfloat16, float32 and float64 (complex SUM/AVG as float pairs).
 

@@ -1,10 +1,12 @@
-"""The NCCL backend's grouped point-to-point launches, and ``sendrecv`` as one of them.
+"""The NCCL backend's grouped point-to-point launches, and ``sendrecv`` and
+``batch_isend_irecv`` as such launches.
 
 NCCL runs the ``ncclSend`` and ``ncclRecv`` calls between one ``groupStart`` and ``groupEnd``
 as one operation, so none of them waits for another: that is how gather, scatter, all_to_all
 and the exact all_to_all_v move their blocks, how ``sendrecv`` sends to one rank while it
-receives from another, and how ``batch_isend_irecv`` issues a whole list of sends and receives. Issued separately on one stream, a large ``ncclSend`` waits for its
-receiver, so neighbours in a ring that all send first would deadlock on the GPU.
+receives from another, and how ``batch_isend_irecv`` issues a whole list of sends and
+receives. Issued separately on one stream, a large ``ncclSend`` waits for its receiver, so
+neighbours in a ring that all send first would deadlock on the GPU.
 """
 
 from __future__ import annotations

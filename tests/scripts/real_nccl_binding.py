@@ -46,6 +46,12 @@ def rank_body(comm, seen):
         theirs = cp.zeros(3 + other, dtype=np.float32)  # 12 bytes from rank 0, 16 from rank 1
         assert comm.sendrecv(cp.zeros(3 + comm.rank, dtype=np.float32), other, theirs,
                              other) is theirs
+        works = comm.batch_isend_irecv([  # int64: 16 bytes from rank 0, 24 from rank 1
+            gpucoll.P2POp("recv", cp.zeros(2 + other, dtype=np.int64), other),
+            gpucoll.P2POp("send", cp.zeros(2 + comm.rank, dtype=np.int64), other),
+            gpucoll.P2POp("send", cp.zeros(5, dtype=np.uint8), other),
+            gpucoll.P2POp("recv", cp.zeros(5, dtype=np.uint8), other)])
+        works[3].wait()
         comm.barrier(timeout=10)
         child = comm.split(None if comm.rank == 0 else 7, key=3)
         if child is not None:
