@@ -134,8 +134,8 @@ class BatchOpWork(Work):
 
 
 def batch_works(batch: Work, items: Sequence[_Item]) -> List[BatchOpWork]:
-    """One Work per operation, in the list's order, over the batch's Work."""
-    return [BatchOpWork(batch, item) for item in sorted(items, key=lambda item: item.index)]
+    """One Work per operation (``items`` in the list's order), over the batch's Work."""
+    return [BatchOpWork(batch, item) for item in items]
 
 
 class BatchP2P:
@@ -174,7 +174,7 @@ class BatchP2P:
             CollectiveMismatchError: from ``wait()``: an arriving message's size or tag does
                 not match its receive (CPU and MPI backends).
 
-        Example (a periodic 1-D halo exchange on any number of ranks)::
+        Example (a periodic 1-D halo exchange, two ranks or more)::
 
             left, right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
             works = comm.batch_isend_irecv([
