@@ -17,6 +17,8 @@ import pytest
 from clusters import CLUSTERS, cluster_pools
 from mp_harness import error_text, run_ranks
 from reference import assert_equal_result, make_input
+from test_sendrecv import (check_mismatch_named, mismatched_pair, timed_out_then_aborted,
+                           unanswered_peer)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -227,31 +229,17 @@ def rank_usage_errors(comm, arr):
     return errors, arr.host(from_left), arr.host(from_right)
 
 
-def rank_mismatch(comm, arr, kind):
+def _batch_pair(pair, x, peer, out, tag):
+    """The error comes from the send's Work (the receive's error), or at once."""
     import gpucoll as gc
 
-    pair = comm.new_group([0, 1])
-    outcome = None
-    if pair is not None:
-        pair.timeout = 10.0
-        peer = 1 - pair.rank
-        x = np.arange(5, dtype=np.float32)
-        if kind == "tag":  # rank 0 sends tag 0, expects 0; rank 1 sends and expects tag 1
-            out, tag = np.zeros(5, np.float32), pair.rank
-        else:  # 20 bytes sent each way, received into 16 and 24 bytes
-            out, tag = np.zeros(4 + 2 * pair.rank, np.float32), 0
-        try:  # the error comes from the send's Work (the receive's error), or at once
-            works = pair.batch_isend_irecv([gc.P2POp("send", x, peer, tag),
-                                            gc.P2POp("recv", out, peer, tag)])
-            works[0].wait()
-            outcome = ("no error", "")
-        except gc.GpucollError as exc:
-            outcome = (type(exc).__name__, str(exc))
-        pair.abort()
-        pair.close()
-    y = np.ones(2)
-    comm.all_reduce(y)  # the parent communicator is untouched
-    return outcome, y.tolist()
+    works = pair.batch_isend_irecv([gc.P2POp("send", x, peer, tag),
+                                    gc.P2POp("recv", out, peer, tag)])
+    works[0].wait()
+
+
+def rank_mismatch(comm, arr, kind):
+    return mismatched_pair(comm, kind, _batch_pair)
 
 
 # ---------------------------------------------------------------- tests
@@ -380,18 +368,7 @@ def test_mismatch_is_named(pool, kind):
     _host_only(pool)
     if pool.world_size == 1:
         pytest.skip("needs two ranks")
-    results = pool.run(rank_mismatch, kind)
-    assert all(y == [float(pool.world_size)] * 2 for _, y in results), results
-    pair = [outcome for outcome, _ in results[:2]]
-    # each rank of the pair fails; at least one names the mismatch (the other may see the
-    # pair aborted first), from the send's Work or at once, though the receive failed
-    assert all(name in ("CollectiveMismatchError", "PeerError", "CommAbortedError")
-               for name, _ in pair), pair
-    named = [text for name, text in pair if name == "CollectiveMismatchError"]
-    assert named, pair
-    words = ("tag",) if kind == "tag" else ("bytes", "truncat")
-    assert any(word in text for text in named for word in words), named
-    assert all(outcome is None for outcome, _ in results[2:])
+    check_mismatch_named(pool.world_size, pool.run(rank_mismatch, kind), kind)
 
 
 def rank_unanswered(comm):
@@ -400,32 +377,10 @@ def rank_unanswered(comm):
     import gpucoll as gc
 
     if comm.rank == 1:
-        got = np.zeros(5)
-        comm.recv(got, 0)
-        try:
-            comm.recv(np.zeros(1), 0)
-        except (gc.PeerError, gc.CommAbortedError, gc.CommTimeoutError) as exc:
-            return got.tolist(), type(exc).__name__
-        return got.tolist(), "no error"
+        return unanswered_peer(comm)
     works = comm.batch_isend_irecv([gc.P2POp("send", np.arange(5.0), 1),
                                     gc.P2POp("recv", np.zeros(5), 1)])
-    try:
-        works[0].wait(timeout=1.0)
-        waited = "no error"
-    except gc.CommTimeoutError as exc:
-        waited = str(exc)
-    try:
-        comm.all_reduce(np.ones(1))
-        after = "no error"
-    except gc.CommAbortedError as exc:
-        after = str(exc)
-    try:  # the receive, cut short by the abort, has failed by now: the batch has finished
-        works[1].wait(timeout=10)
-        again = "no error"
-    except gc.CommAbortedError:
-        again = "CommAbortedError"
-    return waited, after, (again, works[0].is_completed(), type(works[0].exception()).__name__,
-                           repr(works[1]))
+    return timed_out_then_aborted(comm, works[0], works[1])
 
 
 def test_wait_is_bounded_and_aborts():

@@ -149,7 +149,10 @@ def rank_own_tags(comm, arr):
     return arr.host(out).tolist()
 
 
-def rank_mismatch(comm, arr, kind):
+def mismatched_pair(comm, kind, exchange):
+    """Ranks 0 and 1 exchange with a tag or a size mismatch through
+    ``exchange(pair, x, peer, out, tag)``; (its outcome on this rank, then the parent
+    communicator's all-reduce, which still works)."""
     from gpucoll import GpucollError
 
     pair = comm.new_group([0, 1])
@@ -163,7 +166,7 @@ def rank_mismatch(comm, arr, kind):
         else:  # 20 bytes sent each way, received into 16 and 24 bytes
             out, tag = np.zeros(4 + 2 * pair.rank, np.float32), 0
         try:
-            pair.sendrecv(x, peer, out, peer, tag=tag)
+            exchange(pair, x, peer, out, tag)
             outcome = ("no error", "")
         except GpucollError as exc:
             outcome = (type(exc).__name__, str(exc))
@@ -172,6 +175,14 @@ def rank_mismatch(comm, arr, kind):
     y = np.ones(2)
     comm.all_reduce(y)  # the parent communicator is untouched
     return outcome, y.tolist()
+
+
+def _sendrecv_pair(pair, x, peer, out, tag):
+    pair.sendrecv(x, peer, out, peer, tag=tag)
+
+
+def rank_mismatch(comm, arr, kind):
+    return mismatched_pair(comm, kind, _sendrecv_pair)
 
 
 # ---------------------------------------------------------------- tests
@@ -254,8 +265,13 @@ def test_mismatch_is_named(pool, kind):
     _host_only(pool)
     if pool.world_size == 1:
         pytest.skip("needs two ranks")
-    results = pool.run(rank_mismatch, kind)
-    assert all(y == [float(pool.world_size)] * 2 for _, y in results), results
+    check_mismatch_named(pool.world_size, pool.run(rank_mismatch, kind), kind)
+
+
+def check_mismatch_named(world_size, results, kind):
+    """The ranks of the pair fail, at least one naming the mismatch; the others are untouched
+    and the parent communicator works after it."""
+    assert all(y == [float(world_size)] * 2 for _, y in results), results
     pair = [outcome for outcome, _ in results[:2]]
     # each rank of the pair fails; at least one names the mismatch (the other may see the
     # pair aborted first)
@@ -268,22 +284,28 @@ def test_mismatch_is_named(pool, kind):
     assert all(outcome is None for outcome, _ in results[2:])
 
 
-def rank_unanswered(comm):
-    """Rank 0's sendrecv gets nothing back: its wait(timeout) ends, the communicator is
-    aborted. Rank 1 takes rank 0's message, then waits until rank 0 aborts."""
+def unanswered_peer(comm):
+    """Rank 1 of the unanswered tests: takes rank 0's message, then waits for one that never
+    comes until rank 0 aborts; (what it got, the error that ended its wait)."""
     from gpucoll import CommAbortedError, CommTimeoutError, PeerError
 
-    if comm.rank == 1:
-        got = np.zeros(5)
-        comm.recv(got, 0)
-        try:
-            comm.recv(np.zeros(1), 0)
-        except (PeerError, CommAbortedError, CommTimeoutError) as exc:
-            return got.tolist(), type(exc).__name__
-        return got.tolist(), "no error"
-    work = comm.sendrecv(np.arange(5.0), 1, np.zeros(5), 1, async_op=True)
+    got = np.zeros(5)
+    comm.recv(got, 0)
     try:
-        work.wait(timeout=1.0)
+        comm.recv(np.zeros(1), 0)
+    except (PeerError, CommAbortedError, CommTimeoutError) as exc:
+        return got.tolist(), type(exc).__name__
+    return got.tolist(), "no error"
+
+
+def timed_out_then_aborted(comm, first, second):
+    """Rank 0 of the unanswered tests: ``first.wait(timeout=1)`` times out and aborts the
+    communicator; then the error of a collective, and of ``second.wait()`` (its receive, cut
+    short by the abort, has failed by now)."""
+    from gpucoll import CommAbortedError, CommTimeoutError
+
+    try:
+        first.wait(timeout=1.0)
         waited = "no error"
     except CommTimeoutError as exc:
         waited = str(exc)
@@ -292,13 +314,22 @@ def rank_unanswered(comm):
         after = "no error"
     except CommAbortedError as exc:
         after = str(exc)
-    try:  # the receive, cut short by the abort, has failed by now: the pair has finished
-        work.wait(timeout=10)
+    try:
+        second.wait(timeout=10)
         again = "no error"
     except CommAbortedError:
         again = "CommAbortedError"
-    return waited, after, (again, work.is_completed(), type(work.exception()).__name__,
-                           repr(work))
+    return waited, after, (again, first.is_completed(), type(first.exception()).__name__,
+                           repr(second))
+
+
+def rank_unanswered(comm):
+    """Rank 0's sendrecv gets nothing back: its wait(timeout) ends, the communicator is
+    aborted. Rank 1 takes rank 0's message, then waits until rank 0 aborts."""
+    if comm.rank == 1:
+        return unanswered_peer(comm)
+    work = comm.sendrecv(np.arange(5.0), 1, np.zeros(5), 1, async_op=True)
+    return timed_out_then_aborted(comm, work, work)
 
 
 def test_wait_is_bounded_and_aborts():
