@@ -92,7 +92,7 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 
 _BENCH_CHOICES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
-                  "all_to_all", "sendrecv", "all")
+                  "all_to_all", "sendrecv", "halo", "all")
 
 
 def _add_bench_parser(commands) -> None:
@@ -103,7 +103,7 @@ def _add_bench_parser(commands) -> None:
                     "and #wrong for out-of-place and in-place. Starts -g ranks itself, or runs "
                     "as one rank when started by gpucoll run, torchrun, mpiexec or srun.",
         epilog="busbw = algbw x factor: all_reduce 2(n-1)/n; all_gather, reduce_scatter, "
-               "all_to_all (n-1)/n; broadcast, reduce, sendrecv 1. Exit status: 0 when every "
+               "all_to_all (n-1)/n; broadcast, reduce, sendrecv, halo 1. Exit status: 0 when every "
                "result was right, 1 when some were wrong or a rank failed, 2 for usage errors.")
     add = bench.add_argument
     add("collective", nargs="?", default="all_reduce", choices=_BENCH_CHOICES,

@@ -29,7 +29,7 @@ def _cli(*args, timeout=90, cwd=None):
 @pytest.mark.parametrize("name, nranks, factor", [
     ("all_reduce", 1, 0.0), ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 3, 4 / 3),
     ("all_gather", 4, 0.75), ("reduce_scatter", 2, 0.5), ("all_to_all", 3, 2 / 3),
-    ("broadcast", 8, 1.0), ("reduce", 8, 1.0), ("sendrecv", 2, 1.0)])
+    ("broadcast", 8, 1.0), ("reduce", 8, 1.0), ("sendrecv", 2, 1.0), ("halo", 3, 1.0)])
 def test_bus_factor_matches_nccl_tests(name, nranks, factor):
     assert perf.COLLECTIVES[name].bus_factor(nranks) == pytest.approx(factor)
 
@@ -145,6 +145,8 @@ def test_checkers_of_every_collective():
     _check("reduce_scatter", lambda r: red(c, r * c))
     _check("all_to_all", lambda r: np.concatenate([gen(j, c, r * c) for j in range(n)]))
     _check("sendrecv", lambda r: gen((r - 1) % n, c))
+    # halo, 5 elements: [0, 2) from the right neighbour's [0, 2), [2, 5) from the left's [2, 5)
+    _check("halo", lambda r: np.concatenate([gen((r + 1) % n, 2), gen((r - 1) % n, 3, 2)]))
 
 
 def test_checker_hand_computed_all_to_all_layout():
@@ -245,6 +247,7 @@ def test_rank_failure_is_reported(tmp_path):
     (["-n", "0"], "-n must be"),
     (["-g", "2", "-r", "2"], "out of range"),
     (["sendrecv", "-g", "1"], "at least 2 ranks"),
+    (["halo", "-g", "1"], "halo needs at least 2 ranks"),
     (["-f", "4", "-i", "1K"], "not both"),
     (["-c", "2"], "invalid choice"),
     (["--compare", "nccl"], "invalid choice"),
@@ -265,10 +268,12 @@ def test_compare_gloo_without_torch_exits_2():
     assert proc.returncode == 2 and "needs PyTorch" in proc.stderr
 
 
-def test_compare_gloo_adds_ratio(tmp_path):
+@pytest.mark.parametrize("collective, ranks", [("all_reduce", "2"), ("halo", "3")])
+def test_compare_gloo_adds_ratio(tmp_path, collective, ranks):
+    """torch's result is checked like gpucoll's (halo: its own batch_isend_irecv)."""
     pytest.importorskip("torch")
     out = tmp_path / "bench.json"
-    proc = _cli("bench", "all_reduce", "-g", "2", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2",
+    proc = _cli("bench", collective, "-g", ranks, "-b", "1K", "-e", "4K", "-f", "4", "-n", "2",
                 "-w", "1", "--compare", "gloo", "--json", str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())

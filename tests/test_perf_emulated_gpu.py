@@ -20,7 +20,8 @@ def cupy_is_emulated(emu, monkeypatch):  # noqa: F811
     return emu
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast", "sendrecv"])
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast", "sendrecv",
+                                        "halo"])
 def test_bench_sweep_on_device_buffers_checks_every_result(run, cupy_is_emulated,  # noqa: F811
                                                            collective):
     opts = perf.BenchOptions(collectives=(collective,), min_bytes=4, max_bytes=4 << 10,

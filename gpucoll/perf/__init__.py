@@ -11,7 +11,7 @@ Bandwidth, as nccl-tests defines it (GB/s are 1e9 bytes per second)::
 
     algbw = size / time          busbw = algbw * factor(n)
     all_reduce 2(n-1)/n;  all_gather, reduce_scatter, all_to_all (n-1)/n;
-    broadcast, reduce, sendrecv 1
+    broadcast, reduce, sendrecv, halo 1
 
 For all_gather, reduce_scatter and all_to_all ``size`` is the total (n x block) bytes and
 ``count`` the elements of one rank's block, as nccl-tests prints them. The time is the mean

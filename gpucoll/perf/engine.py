@@ -308,8 +308,8 @@ def run_rank(comms, opts: BenchOptions, emit: Optional[Callable[[str, Any], None
         seed, shift = opts.seed, 0
         for name in opts.collectives:
             coll = COLLECTIVES[name]
-            if name == "sendrecv" and comm.size < 2:
-                say("skip", (name, "sendrecv needs at least 2 ranks"))
+            if comm.size < coll.min_ranks:
+                say("skip", (name, f"{name} needs at least {coll.min_ranks} ranks"))
                 continue
             say("start", name)
             for dtype, op, root in opts.cases(coll, comm.size):

@@ -21,6 +21,7 @@ from .devices import _device_for
 from .engine import run_rank
 from .options import BenchOptions, UsageError
 from .report import Reporter, finish, require_matplotlib
+from .specs import COLLECTIVES
 
 
 def open_communicators(opts: BenchOptions, **init_args) -> List[Tuple[Optional[str], Any]]:
@@ -235,8 +236,11 @@ def measure(opts: BenchOptions, out=None, err=None) -> Reporter:
     check_options(opts)
     if detect_environment().source != "none":
         raise UsageError("measure() spawns its own ranks; under a launcher use run_bench()")
-    if "sendrecv" in opts.collectives and (opts.nranks or 1) < 2 and len(opts.collectives) == 1:
-        raise UsageError("sendrecv needs at least 2 ranks: pass -g 2 or more")
+    if len(opts.collectives) == 1:
+        needed = COLLECTIVES[opts.collectives[0]].min_ranks
+        if (opts.nranks or 1) < needed:
+            raise UsageError(f"{opts.collectives[0]} needs at least {needed} ranks: pass "
+                             f"-g {needed} or more")
     reporter = Reporter(opts, out, err)
     with _terminate_as_exit():
         if opts.ceiling_bytes:

@@ -44,6 +44,7 @@ class Collective:
     reduces = False
     rooted = False
     blocked = False  # size column = nranks x block bytes
+    min_ranks = 1
     modes = ("out", "in")
     gloo_mode = "in"
 
@@ -232,7 +233,7 @@ class SendRecv(Collective):
     ``comm.sendrecv`` (on NCCL one group, as nccl-tests issues it; an ``isend`` then ``recv``
     on one stream would deadlock there once messages outgrow NCCL's buffers)."""
 
-    name, modes, gloo_mode = "sendrecv", ("out",), "out"
+    name, modes, gloo_mode, min_ranks = "sendrecv", ("out",), "out", 2
 
     def run(self, comm, bufs, mode, op, root):
         comm.sendrecv(bufs.send, (comm.rank + 1) % comm.size, bufs.recv,
@@ -247,5 +248,51 @@ class SendRecv(Collective):
         work.wait()
 
 
+class Halo(Collective):
+    """A periodic 1-D halo exchange: rank r sends the first half of its buffer to r-1 and the
+    second half to r+1, and receives r+1's first half and r-1's second half, as one
+    ``comm.batch_isend_irecv`` of two receives and two sends (one NCCL group; torch's
+    ``batch_isend_irecv`` for ``--compare gloo``). The size is what a rank sends in all."""
+
+    name, modes, gloo_mode, min_ranks = "halo", ("out",), "out", 2
+
+    @staticmethod
+    def _ops(rank, nranks, send, recv, make):
+        """The batch in one order for both libraries (receives from the left, then the right;
+        sends right, then left: on two ranks, where left and right are one peer, each peer's
+        messages then match in order)."""
+        left, right, half = (rank - 1) % nranks, (rank + 1) % nranks, send.shape[0] // 2
+        return [make("recv", recv[half:], left), make("recv", recv[:half], right),
+                make("send", send[half:], right), make("send", send[:half], left)]
+
+    def run(self, comm, bufs, mode, op, root):
+        from ..batch_p2p import P2POp
+
+        for work in comm.batch_isend_irecv(self._ops(comm.rank, comm.size, bufs.send,
+                                                     bufs.recv, P2POp)):
+            work.wait()
+
+    def expected(self, seed, rank, nranks, bufs, op, root, start, stop):
+        """Elements [0, half) come from the right neighbour's first half, [half, count) from
+        the left neighbour's second half: in both, element i is the sender's element i."""
+        half = bufs.count // 2
+        pieces = []
+        for lo, hi, sender in ((0, half, (rank + 1) % nranks), (half, bufs.count,
+                                                                (rank - 1) % nranks)):
+            lo, hi = max(lo, start), min(hi, stop)
+            if lo < hi:
+                pieces.append(pattern(seed, sender, hi - lo, bufs.recv.dtype, None, lo))
+        return np.concatenate(pieces)
+
+    def gloo(self, dist, send, recv, op, root, rank, nranks):
+        def make(kind, tensor, peer):
+            return dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer)
+
+        for work in dist.batch_isend_irecv(self._ops(rank, nranks, send.reshape(-1),
+                                                     recv.reshape(-1), make)):
+            work.wait()
+
+
 COLLECTIVES: Dict[str, Collective] = {c.name: c for c in (
-    AllReduce(), AllGather(), ReduceScatter(), Broadcast(), Reduce(), AllToAll(), SendRecv())}
+    AllReduce(), AllGather(), ReduceScatter(), Broadcast(), Reduce(), AllToAll(), SendRecv(),
+    Halo())}
