@@ -8,6 +8,10 @@
   updated parameters; ``pull()``; ``close()``.
 * :class:`PSLayout` - roles and shard bounds (validates the server count).
 
+A server takes whichever worker's message comes first, so the communicator's receives must
+complete in any order: on NCCL, whose operations run in issue order, pass ``comm.host_group()``
+(CuPy arrays are then staged through host memory); the NCCL communicator itself is refused.
+
 Importing this package never imports CuPy.
 """
 
