@@ -172,5 +172,6 @@ def test_digits_file_is_checked_and_made_absolute(tmp_path):
                           capture_output=True, text=True, timeout=60, cwd=tmp_path,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr
-    training = [line for line in proc.stdout.splitlines() if "examples.train_" in line]
+    training = [line for line in proc.stdout.splitlines()
+                if "examples.train_digits" in line or "examples.train_ps" in line]
     assert len(training) == 3 and all(f"--data {data}" in line for line in training)
