@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 from .errors import CommAbortedError
+from .flight_recorder import describe_batch, traced
 from .sendrecv import GroupWork, _cause, _extent, _extents_overlap
 from .work import Work
 
@@ -146,6 +147,7 @@ class BatchP2P:
     rank: int
     size: int
 
+    @traced(describe_batch, returns_works=True)
     def batch_isend_irecv(self, ops: Sequence[P2POp], *, stream: Any = None) -> List[Work]:
         """Start every send and receive of ``ops`` at once, as one operation.
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import abc
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from . import flight_recorder
 from .batch_p2p import BatchP2P
 from .errors import CommAbortedError, UnsupportedOperationError
 from .composite import CompositeCollectives
 from .composite_alltoall import UnevenAllToAll
+from .flight_recorder import (describe_array, describe_nothing, describe_p2p, describe_rooted,
+                              describe_scatter, traced)
 from .groups import Groups
 from .sendrecv import SendRecv
 from .types import ReduceOp, check_op_dtype, wire_code
@@ -43,7 +46,8 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
     ``sendrecv`` of :class:`gpucoll.sendrecv.SendRecv` (a send and a receive at once) and
     ``batch_isend_irecv`` of :class:`gpucoll.batch_p2p.BatchP2P` (many at once). Its
     world ranks and sub-communicators (``ranks``, ``split``, ``new_group``, ``host_group``)
-    are those of :class:`gpucoll.groups.Groups`.
+    are those of :class:`gpucoll.groups.Groups`. Every public call is remembered by its flight
+    recorder (:meth:`trace`, :mod:`gpucoll.flight_recorder`).
 
     Attributes:
         rank: this process's rank in the group, 0 <= rank < size.
@@ -69,6 +73,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
     lost: Mapping[int, str] = MappingProxyType({})
     _aborted: Optional[str] = None  # why the communicator was aborted (backends set it)
     _closed: bool = False
+    _recorder: Any = flight_recorder.NOT_STARTED  # its flight recorder, made at the first op
 
     # ------------------------------------------------------------------ checks
     def _check_alive(self) -> None:
@@ -161,6 +166,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         return shape[1:]
 
     # ------------------------------------------------------------------ collectives
+    @traced(describe_array)
     def all_reduce(self, x: Array, op: Union[ReduceOp, str] = "sum", *, out: Optional[Array] = None,
                    async_op: bool = False, stream: Any = None):
         """Reduce ``x`` across all ranks; every rank gets the result.
@@ -193,6 +199,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         return self._hand_back(self._all_reduce(x, op, out, async_op, stream),
                                x, x_in, out, out_in)
 
+    @traced(describe_rooted)
     def broadcast(self, x: Array, root: int = 0, *, async_op: bool = False, stream: Any = None):
         """Copy ``x`` from ``root`` into ``x`` on every other rank (in place).
 
@@ -207,6 +214,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
             self._writable(x, "x")
         return self._hand_back(self._broadcast(x, root, async_op, stream), x, x_in)
 
+    @traced(describe_rooted)
     def reduce(self, x: Array, root: int = 0, op: Union[ReduceOp, str] = "sum", *,
                out: Optional[Array] = None, async_op: bool = False, stream: Any = None):
         """Reduce ``x`` across ranks into ``out`` (or ``x``) on ``root``.
@@ -233,6 +241,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         return self._hand_back(self._reduce(x, root, op, out, async_op, stream),
                                x, x_in, out, out_in)
 
+    @traced(describe_array)
     def all_gather(self, x: Array, *, out: Optional[Array] = None, async_op: bool = False,
                    stream: Any = None):
         """Gather every rank's ``x`` into ``out`` of shape ``(size, *x.shape)`` on every rank.
@@ -247,6 +256,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
             out = self._out(out, (self.size,) + _shape_of(x), x.dtype)
         return self._hand_back(self._all_gather(x, out, async_op, stream), out, out_in, x, x_in)
 
+    @traced(describe_array)
     def reduce_scatter(self, x: Array, op: Union[ReduceOp, str] = "sum", *,
                        out: Optional[Array] = None, async_op: bool = False, stream: Any = None):
         """Reduce ``x`` (shape ``(size, *chunk)``) across ranks; rank r gets block r.
@@ -266,6 +276,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         return self._hand_back(self._reduce_scatter(x, op, out, async_op, stream),
                                out, out_in, x, x_in)
 
+    @traced(describe_rooted)
     def gather(self, x: Array, root: int = 0, *, out: Optional[Array] = None, stream: Any = None):
         """Gather every rank's ``x`` into ``out`` (shape ``(size, *x.shape)``) on ``root``.
 
@@ -285,6 +296,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
             out = None
         return self._hand_back(self._gather(x, root, out, stream), out, out_in, x, x_in)
 
+    @traced(describe_scatter)
     def scatter(self, x: Optional[Array], root: int = 0, *, out: Optional[Array] = None,
                 stream: Any = None):
         """Send block r of ``x`` (shape ``(size, *chunk)``, read on ``root`` only) to rank r.
@@ -318,6 +330,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
                                None if x is None else (self._leading(x, "x"), x.dtype), stream)
         return self._hand_back(result, out, out_in, x, x_in)
 
+    @traced(describe_array)
     def all_to_all(self, x: Array, *, out: Optional[Array] = None, stream: Any = None):
         """Rank r sends block j of ``x`` (shape ``(size, *chunk)``) to rank j, which stores it
         as its block r.
@@ -337,6 +350,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         return self._hand_back(self._all_to_all(x, out, stream), out, out_in, x, x_in)
 
     # ------------------------------------------------------------------ point to point
+    @traced(describe_p2p)
     def send(self, x: Array, dst: int, *, tag: int = 0, stream: Any = None) -> None:
         """Send ``x`` to rank ``dst``; returns when ``x`` may be reused.
 
@@ -347,6 +361,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         x = self._array(x, "x")
         self._send(x, dst, self._tag(tag), False, stream)
 
+    @traced(describe_p2p)
     def recv(self, out: Array, src: int, *, tag: int = 0, stream: Any = None):
         """Receive into ``out`` from rank ``src`` (shape and dtype must match the sent array)."""
         src = self._peer(src, "src")
@@ -354,12 +369,14 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         self._writable(out, "out")
         return self._hand_back(self._recv(out, src, self._tag(tag), False, stream), out, out_in)
 
+    @traced(describe_p2p)
     def isend(self, x: Array, dst: int, *, tag: int = 0, stream: Any = None) -> Work:
         """Start sending ``x`` to ``dst``; don't modify ``x`` until the Work completes."""
         dst = self._peer(dst, "dst")
         x = self._array(x, "x")
         return self._send(x, dst, self._tag(tag), True, stream)
 
+    @traced(describe_p2p)
     def irecv(self, out: Array, src: int, *, tag: int = 0, stream: Any = None) -> Work:
         """Start receiving into ``out`` from ``src``; read ``out`` after the Work completes."""
         src = self._peer(src, "src")
@@ -379,12 +396,14 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         """True once ``close()`` has run (an aborted communicator is not closed until then)."""
         return bool(getattr(self, "_closed", False))
 
+    @traced(describe_nothing)
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Block until every rank has entered the barrier (at most ``timeout`` seconds)."""
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         self._barrier(self.timeout if timeout is None else float(timeout))
 
+    @traced(describe_nothing)
     def shrink(self, timeout: Optional[float] = None) -> "Communicator":
         """A new communicator of the ranks still alive, after a failure (ULFM's
         ``MPIX_Comm_shrink``).
@@ -453,6 +472,24 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
             self.close()
         else:  # the peers' errors then say why: "rank 1 raised RuntimeError: boom"
             self._abort_for(f"rank {self.rank} raised {exc_type.__name__}: {exc}")
+
+    # ------------------------------------------------------------------ flight recorder
+    def trace(self) -> List[Dict[str, Any]]:
+        """This communicator's last operations (``GPUCOLL_TRACE_BUFFER`` of them), oldest first.
+
+        One dict per public call: ``number`` (1, 2, ... on this communicator), ``op``,
+        ``bytes``, ``dtype`` and ``shape`` of its main array (None for objects), ``root``,
+        ``peer`` and ``tag`` where it has them, ``issued`` / ``finished`` (``time.time()``),
+        ``duration_s`` (None while pending) and ``state``: "done", "pending" or
+        "failed: <ErrorType>: <message>". Usage errors are not recorded. Comparing the ranks'
+        traces after a hang shows which rank is behind (see :mod:`gpucoll.flight_recorder`).
+        """
+        return flight_recorder.read(self)
+
+    def _trace_dump(self, reason: str) -> None:
+        """Write the trace where ``GPUCOLL_TRACE_DIR`` says; a backend's abort path calls it.
+        Best effort: never raises."""
+        flight_recorder.dump(self, reason)
 
     def _abort_for(self, reason: str) -> None:
         """``abort()``, telling the peers ``reason`` where the backend can (the CPU backend

@@ -24,6 +24,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import objects
+from .flight_recorder import describe_array, describe_nothing, describe_rooted, \
+    describe_rooted_object, traced
 from .types import DTYPES, wire_code
 
 __all__ = ["CompositeCollectives"]
@@ -107,6 +109,7 @@ class CompositeCollectives:
         return [int(v) for v in _to_host(table).reshape(-1)]
 
     # ------------------------------------------------------------------ objects
+    @traced(describe_rooted_object)
     def broadcast_object(self, obj: Any = None, root: int = 0) -> Any:
         """Send a Python value from ``root`` to every rank (mpi4py's ``bcast``).
 
@@ -137,6 +140,7 @@ class CompositeCollectives:
             self._empty((count,), np.uint8)
         return objects.decode(_to_host(self.broadcast(buffer, root)))
 
+    @traced(describe_nothing)
     def all_gather_object(self, obj: Any) -> List[Any]:
         """Every rank's value, in rank order, on every rank (mpi4py's ``allgather``).
 
@@ -156,6 +160,7 @@ class CompositeCollectives:
         host = _to_host(data)
         return [objects.decode(host[a:b]) for a, b in objects.split_lengths(lengths)]
 
+    @traced(describe_rooted_object)
     def gather_object(self, obj: Any, root: int = 0) -> Optional[List[Any]]:
         """Every rank's value, in rank order, on ``root`` (mpi4py's ``gather``).
 
@@ -175,6 +180,7 @@ class CompositeCollectives:
         host = _to_host(data)
         return [objects.decode(host[a:b]) for a, b in objects.split_lengths(lengths)]
 
+    @traced(describe_rooted_object)
     def scatter_object(self, objs: Optional[Sequence[Any]] = None, root: int = 0) -> Any:
         """Send ``objs[r]`` from ``root`` to rank r (mpi4py's ``scatter``).
 
@@ -301,6 +307,7 @@ class CompositeCollectives:
             start += count
         return result
 
+    @traced(describe_array)
     def all_gather_v(self, x: Any, counts: Optional[Sequence[int]] = None) -> Tuple[Any, List[int]]:
         """Gather arrays whose first axis differs per rank; every rank gets all of them,
         concatenated in rank order (MPI's ``Allgatherv``).
@@ -356,6 +363,7 @@ class CompositeCollectives:
             start += count
         return result
 
+    @traced(describe_rooted)
     def gather_v(self, x: Any, root: int = 0,
                  counts: Optional[Sequence[int]] = None) -> Tuple[Optional[Any], List[int]]:
         """Gather arrays whose first axis differs per rank onto ``root``, concatenated in

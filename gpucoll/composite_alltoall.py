@@ -22,6 +22,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .composite import _describe, _layout_signature, _to_host
+from .flight_recorder import describe_array, traced
 
 __all__ = ["UnevenAllToAll"]
 
@@ -41,6 +42,7 @@ class UnevenAllToAll:
     rank: int
     size: int
 
+    @traced(describe_array)
     def all_to_all_v(self, x: Any, send_counts: Optional[Sequence[int]] = None, *,
                      counts: Any = None) -> Tuple[Any, List[int]]:
         """Send ``send_counts[r]`` rows of ``x`` to rank r; receive every rank's rows for this one.

@@ -154,6 +154,14 @@ _GPUCOLL = [
             "Seconds between the SIGTERM and the SIGKILL a rank gets when its launcher died "
             "(time for a SIGTERM handler to save a checkpoint); under `gpucoll run` the same "
             "for each rank's process group (the launcher's orphan reaper)."),
+    Setting("GPUCOLL_TRACE_BUFFER", int, 256,
+            "Operations each communicator remembers for `comm.trace()` and the failure dumps "
+            "(the flight recorder), read at its first operation; 0 records nothing."),
+    Setting("GPUCOLL_TRACE_DIR", str, "",
+            "When set, a rank writes its communicator's trace as JSON here "
+            "(`trace-rank<world rank>-<communicator id>.json`) when the communicator is aborted "
+            "(every timeout, dead peer and mismatch aborts it) and when the failed operation "
+            "raises; best effort, never an error of its own."),
     Setting("GPUCOLL_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "Level of the `gpucoll` logger."),
     Setting("GPUCOLL_QUIET", _parse_bool, False,

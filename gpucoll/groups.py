@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+from .flight_recorder import describe_nothing, traced
+
 __all__ = ["Groups"]
 
 _INT32_LIMIT = 2 ** 31
@@ -65,6 +67,7 @@ class Groups:
         return child
 
     # ------------------------------------------------------------------ new groups
+    @traced(describe_nothing)
     def split(self, color: Optional[int], key: Optional[int] = None) -> Optional["Groups"]:
         """Split into sub-communicators: ranks with equal ``color`` form one, ordered by
         (``key``, rank). Collective over this communicator.
@@ -86,6 +89,7 @@ class Groups:
             color = None
         return self._split(color, self.rank if key is None else key)
 
+    @traced(describe_nothing)
     def new_group(self, ranks: Sequence[int]) -> Optional["Groups"]:
         """A communicator of ``ranks`` (in that order: ``ranks[i]`` becomes rank i).
 
@@ -102,6 +106,7 @@ class Groups:
             return self._split(0, ranks.index(self.rank))
         return self._split(None, 0)
 
+    @traced(describe_nothing)
     def host_group(self) -> "Groups":
         """A new communicator of the same ranks for host (NumPy) arrays, beside this one.
 
@@ -123,5 +128,5 @@ class Groups:
 
     def _host_group(self) -> "Groups":
         if self.memory == "host":
-            return self.split(0)
+            return self._split(0, self.rank)  # split(0), recorded as this host_group
         return self._unsupported("host_group")

@@ -18,6 +18,7 @@ import time
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .errors import CommAbortedError, CommTimeoutError
+from .flight_recorder import describe_sendrecv, traced
 from .work import Work
 
 __all__ = ["SendRecv", "PairWork", "GroupWork"]
@@ -148,6 +149,7 @@ class SendRecv:
     rank: int
     size: int
 
+    @traced(describe_sendrecv)
     def sendrecv(self, x: Any, dst: int, out: Any, src: int, *, tag: int = 0,
                  recv_tag: Optional[int] = None, async_op: bool = False, stream: Any = None):
         """Send ``x`` to rank ``dst`` and receive into ``out`` from rank ``src``, at once.

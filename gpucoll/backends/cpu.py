@@ -249,6 +249,7 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
             self._shared.mark_aborted()
         self._transport.close()
         self._order.wake()
+        self._trace_dump(reason)
 
     def _frame(self, name: str, seq: int, dtype) -> Frame:
         return Frame(name, seq, wire_code(dtype) if dtype is not None else 0)

@@ -455,6 +455,7 @@ class MPICommunicator(HostShortPaths, Communicator):
     def _abort_with(self, reason: str) -> None:
         if self._aborted is None:
             self._aborted = reason
+            self._trace_dump(reason)
 
     def abort(self) -> None:
         """Abort: later operations and waits raise ``CommAbortedError``. MPI cannot cancel a

@@ -210,6 +210,7 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
             self._abort_done.set()
         # the store may be unreachable now (its host lost): a short budget, never a timeout
         best_effort(lambda: self._store.set(f"abort/{self.rank}", message.encode()), ABORT_BUDGET)
+        self._trace_dump(message)
 
     def _unfinished_events(self) -> List[Any]:
         """Events of the tracked operations that have not completed (a failed one counts)."""
