@@ -42,11 +42,11 @@ def test_compare_mpi_runs_under_mpirun_and_checks_every_result():
     assert done.returncode == 0, done.stdout + done.stderr
     text = done.stdout
     for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
-                 "all_to_all", "sendrecv"):
+                 "all_to_all", "sendrecv", "halo"):
         assert f"Collective test starting: {name}" in text, text
-    assert text.count("ratio = mpi time / gpucoll") == 7
+    assert text.count("ratio = mpi time / gpucoll") == 8
     assert "Avg bus bandwidth (mpi)" in text and "Out of bounds values : 0 OK" in text
     rows = [line.split() for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    assert len(rows) == 14, text  # 7 collectives x 2 sizes
+    assert len(rows) == 16, text  # 8 collectives x 2 sizes
     for cells in rows:  # ... mpi time, algbw, busbw, #wrong, ratio: MPI ran and was right
         assert cells[-2] == "0" and float(cells[-5]) > 0, cells

@@ -113,6 +113,17 @@ class _TorchLikeMPI:
     def recv(self, recv, src):
         self.comm.Recv(recv, source=src)
 
+    def irecv(self, recv, src):
+        return self.comm.Irecv(recv, source=src)
+
+    @staticmethod
+    def P2POp(start, array, peer):
+        return start, array, peer
+
+    def batch_isend_irecv(self, ops):
+        """Every operation started at once: their MPI requests (``wait()`` each)."""
+        return [start(array, peer) for start, array, peer in ops]
+
     def barrier(self):
         self.comm.Barrier()
 
