@@ -17,9 +17,10 @@ ranks' traces shows which rank is behind, and at which call.
 - An asynchronous operation keeps its ``Work``; its state is read when the trace is read
   (``Work.is_completed()`` never blocks), and the first read that sees it finished sets its
   finish time. No thread, no callback.
-- A blocking call is done or failed when it returns or raises. On a GPU backend a call returns
-  once it is enqueued on the stream, so its record says done then; a hang on the GPU shows in
-  the watchdog's error and the abort's dump.
+- A blocking call is done or failed when it returns or raises. On a GPU backend, where a call
+  returns once it is enqueued on the stream, the backend leaves ``comm._enqueued`` (with a
+  Work's ``is_completed()`` / ``exception()``) during the call, and the record stays pending
+  until the GPU has finished it: a collective stuck on the GPU shows as pending.
 """
 
 from __future__ import annotations
@@ -139,10 +140,13 @@ def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
                 if isinstance(exc, GpucollError):
                     dump(self, f"{op} #{record[_NUMBER]} failed: {type(exc).__name__}: {exc}")
                 raise
+            enqueued = self.__dict__.pop("_enqueued", None)
             if isinstance(result, Work):
                 record[_WORK] = result
             elif returns_works and result:
                 record[_WORK] = result[0]  # each stands for the whole batch
+            elif enqueued is not None:  # a GPU call that returned once enqueued
+                record[_WORK] = enqueued
             else:
                 record[_FINISHED] = _now()
                 record[_STATE] = _DONE

@@ -285,3 +285,48 @@ def test_a_negative_buffer_is_named(monkeypatch):
     with pytest.raises(ValueError, match="GPUCOLL_TRACE_BUFFER=-1"):
         comm.all_reduce(np.ones(1))
     comm.close()
+
+
+def test_a_call_held_on_the_gpu_stays_pending_until_it_runs(monkeypatch):
+    """NCCL returns a blocking call once it is enqueued: on a stalled stream (the CUDA
+    emulation) its record stays pending, and says done once the stream has run it."""
+    import threading
+
+    import gpucoll
+    from gpucoll import cuda_env
+    from emulated_cuda import Emulation
+
+    emu = Emulation(device_count=2, timeout=5.0)
+    monkeypatch.setattr(cuda_env, "_LOADED", (emu.cupy, emu.nccl))
+    monkeypatch.setenv("GPUCOLL_TRACE_BUFFER", "8")
+    monkeypatch.delenv("GPUCOLL_TRACE_DIR", raising=False)
+    store = tempfile.mkdtemp(prefix="gpucoll-trace-")
+    states, errors = {}, []
+
+    def rank(r):
+        try:
+            comm = gpucoll.init(backend="nccl", rank=r, world_size=2, url=f"file://{store}/s",
+                                timeout=10, set_default=False)
+            stream = emu.cupy.cuda.Stream(non_blocking=True)
+            emu.stall(stream)
+            x = emu.cupy.ones(4, np.float32)
+            comm.all_reduce(x, stream=stream)           # returns: enqueued, not run
+            held = comm.trace()[-1]
+            emu.release(stream)                         # runs here and meets the other rank
+            comm.synchronize()
+            states[r] = (held["op"], held["state"], held["duration_s"],
+                         comm.trace()[-1]["state"], x.get().tolist())
+            comm.close()
+        except BaseException as exc:  # reported below
+            errors.append((r, exc))
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    emu.release_all()
+    assert not errors, errors
+    assert not any(thread.is_alive() for thread in threads)
+    for r in range(2):
+        assert states[r] == ("all_reduce", "pending", None, "done", [2.0] * 4), states[r]

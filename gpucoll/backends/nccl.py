@@ -50,7 +50,7 @@ from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
 from .nccl_grouped import GroupedPointToPoint
 from .nccl_progress import ProgressReports
-from .nccl_work import CudaWork
+from .nccl_work import CudaWork, EnqueuedCall
 from .watchdog import CudaFault, Pending, Watchdog, event_status
 
 __all__ = ["NCCLCommunicator", "CudaWork"]
@@ -313,11 +313,12 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
         event = self._events.pop() if self._events else self._new_event()
         self._runtime.eventRecord(event.ptr, ptr)
         # a Work keeps its event (pool None); other events go back to the pool once done
-        self._watchdog.track(Pending(name, number, deadline, event,
-                                     peer, collective, None if async_op else self._events, ptr,
-                                     self._event_done))
+        pending = Pending(name, number, deadline, event, peer, collective,
+                          None if async_op else self._events, ptr, self._event_done)
+        self._watchdog.track(pending)
         if async_op:
             return CudaWork(self, name, number, event, result, peer)
+        self._enqueued = EnqueuedCall(self, pending)   # for the flight recorder's record
         return result
 
     def _next_seq(self) -> int:

@@ -62,7 +62,7 @@ class Pending:
     """
 
     __slots__ = ("op", "seq", "deadline", "event", "peer", "collective", "pool", "stream",
-                 "query")
+                 "query", "finished")
 
     def __init__(self, op: str, seq: int, deadline: float, event: Any,
                  peer: Optional[int] = None, collective: bool = True,
@@ -71,6 +71,7 @@ class Pending:
         self.op, self.seq, self.deadline, self.event = op, seq, deadline, event
         self.peer, self.collective, self.pool, self.stream = peer, collective, pool, stream
         self.query = query
+        self.finished = False  # seen complete and released (its event may serve another op)
 
     def done(self) -> bool:
         if self.query is not None:
@@ -78,6 +79,7 @@ class Pending:
         return bool(self.event.done)
 
     def release(self) -> None:
+        self.finished = True
         if self.pool is not None:
             self.pool.append(self.event)
 
