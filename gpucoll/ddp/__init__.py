@@ -7,6 +7,9 @@
   shard (optimizer state is 1 / world_size of DDP's), all-gather the parameters.
 * :class:`FullyShardedParameters` - ZeRO stage 3 / FSDP: parameters, gradients and optimizer
   state all sharded; a layer is all-gathered only while it computes (prefetch included).
+* Checkpoints of both that load at any world size: ``state_dict()`` / ``load_state_dict()``
+  (whole arrays, gathered) and ``save_checkpoint()`` / ``load_checkpoint()`` (each rank writes
+  and reads only its slices); :func:`checkpoint_exists`.
 * :class:`SGD`, :class:`Adam` - element-wise optimizers written with the array module.
 * :class:`DynamicLossScaler` - mixed-precision loss scaling: skip on overflow on every rank
   together, back off, grow after clean steps.
@@ -18,6 +21,8 @@ Importing this package never imports CuPy.
 """
 
 from .bucketer import Bucketer, broadcast_parameters, plan_buckets
+from .checkpoint import CheckpointError
+from .checkpoint_files import checkpoint_exists
 from .loss_scaler import DynamicLossScaler
 from .metrics import all_reduce_metrics
 from .optim import SGD, Adam, make_optimizer
@@ -27,6 +32,6 @@ from .sharded import ShardedOptimizer
 from .sync_bn import SyncBatchNorm, sync_batch_stats
 
 __all__ = ["Bucketer", "broadcast_parameters", "plan_buckets", "ShardedOptimizer",
-           "FullyShardedParameters", "SGD", "Adam",
+           "FullyShardedParameters", "CheckpointError", "checkpoint_exists", "SGD", "Adam",
            "make_optimizer", "DynamicLossScaler", "DistributedSampler", "all_reduce_metrics",
            "sync_batch_stats", "SyncBatchNorm"]

@@ -37,6 +37,7 @@ import numpy as np
 
 from .. import kernels
 from .bucketer import _array_module, _wire_dtype
+from .checkpoint import Checkpointable, CheckpointView, Group
 from .layout import check_same_layout, shapes_checksum
 from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
 from .optim import SGD, make_optimizer
@@ -73,7 +74,7 @@ class _Unit:
         return [full[o:o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
 
-class FullyShardedParameters:
+class FullyShardedParameters(Checkpointable):
     """Parameters sharded across data-parallel ranks (ZeRO-3 / FSDP), over any communicator.
 
     Args:
@@ -93,6 +94,9 @@ class FullyShardedParameters:
             between ranks (the numbers are named), a bad ``sync_from``.
         TypeError: a parameter that is not float32 / float64, mixed dtypes, or a compute dtype
             that cannot be used.
+
+    Checkpoints (:meth:`state_dict`, :meth:`save_checkpoint`) hold every parameter and its
+    optimizer state whole, so they load at any world size (:mod:`gpucoll.ddp.checkpoint`).
 
     Example (any number of ranks; one unit per linear layer)::
 
@@ -290,6 +294,24 @@ class FullyShardedParameters:
             self.comm.all_gather(unit.param, out=full.reshape(self.comm.size, unit.chunk))
             result.append([view.copy() for view in unit.views(full)])
         return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_view(self) -> CheckpointView:
+        reducing = [i for i, unit in enumerate(self._units) if unit.reductions]
+        busy = (f"the gradients of units {reducing} are being reduced for this step; call it "
+                f"after step()") if reducing else None
+        groups, first = [], 0
+        for unit in self._units:
+            groups.append(Group(list(range(first, first + len(unit.sizes))), unit.offsets,
+                                unit.chunk))
+            first += len(unit.sizes)
+        return CheckpointView(self, [s for unit in self._units for s in unit.shapes], groups,
+                              [unit.param for unit in self._units], busy=busy)
+
+    def _release_for_load(self) -> None:
+        """Units gathered before a load hold the old values: release them."""
+        for index in self.gathered_units:
+            self.release(index)
 
     # ------------------------------------------------------------------ gradients and the step
     def reduce_gradients(self, index: int, grads: Sequence[Any]) -> None:

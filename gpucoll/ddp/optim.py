@@ -10,7 +10,7 @@ unchanged on NumPy and CuPy.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 __all__ = ["SGD", "Adam", "make_optimizer"]
 
@@ -23,6 +23,9 @@ class SGD:
         momentum: momentum factor in [0, 1); 0 keeps no state at all.
         weight_decay: L2 penalty added to the gradient.
     """
+
+    name = "sgd"
+    _SETTINGS = ("lr", "momentum", "weight_decay")
 
     def __init__(self, lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 0.0):
         if not lr > 0:
@@ -56,10 +59,29 @@ class SGD:
         return sum(int(a.nbytes) for slot in self.state for a in slot.values()
                    if hasattr(a, "nbytes"))
 
+    # ------------------------------------------------------------------ checkpoints
+    def settings(self) -> Dict[str, Any]:
+        """The constructor's arguments (JSON-compatible): what a checkpoint restores."""
+        return {key: (list(value) if isinstance(value, tuple) else value)
+                for key, value in ((k, getattr(self, k)) for k in self._SETTINGS)}
+
+    def state_keys(self) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+        """(array keys, scalar keys) of each slot once it has state."""
+        return (("velocity",) if self.momentum else ()), ()
+
+    def load_settings(self, settings: Dict[str, Any]) -> None:
+        """Take a checkpoint's settings (checked as the constructor checks them)."""
+        checked = type(self)(**settings)
+        for key in self._SETTINGS:
+            setattr(self, key, getattr(checked, key))
+
 
 class Adam(SGD):
     """Adam (Kingma & Ba) with bias correction; ``weight_decay`` is decoupled (AdamW) when
     ``decoupled=True``, else added to the gradient."""
+
+    name = "adam"
+    _SETTINGS = ("lr", "betas", "eps", "weight_decay", "decoupled")
 
     def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled: bool = False):
@@ -70,6 +92,17 @@ class Adam(SGD):
         if not eps > 0:
             raise ValueError(f"eps must be > 0, got {eps!r}")
         self.beta1, self.beta2, self.eps, self.decoupled = beta1, beta2, float(eps), decoupled
+
+    @property
+    def betas(self) -> Tuple[float, float]:
+        return self.beta1, self.beta2
+
+    @betas.setter
+    def betas(self, value) -> None:
+        self.beta1, self.beta2 = (float(b) for b in value)
+
+    def state_keys(self) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+        return ("m", "v"), ("step",)
 
     def update(self, index: int, param: Any, grad: Any) -> None:
         if self.weight_decay and not self.decoupled:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import kernels
 from .bucketer import MiB, _array_module, plan_buckets
+from .checkpoint import Checkpointable, CheckpointView, Group
 from .layout import check_same_layout, shapes_checksum
 from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
 from .optim import SGD, make_optimizer
@@ -43,7 +44,7 @@ class _Shard:
         self.work = None
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(Checkpointable):
     """Data-parallel optimizer step with sharded state (ZeRO-1), over any communicator.
 
     Args:
@@ -57,6 +58,9 @@ class ShardedOptimizer:
     Raises:
         ValueError: parameter layouts differ between ranks (the numbers are named); bad caps.
         TypeError: a parameter that is not float32 / float64, or mixed dtypes.
+
+    Checkpoints (:meth:`state_dict`, :meth:`save_checkpoint`) hold the parameters and the
+    optimizer state whole, so they load at any world size (:mod:`gpucoll.ddp.checkpoint`).
 
     Example (two ranks)::
 
@@ -138,6 +142,18 @@ class ShardedOptimizer:
         the reduce-scatter and the same for the all-gather."""
         n = self.comm.size
         return int(2 * (n - 1) * self.shard_elements * self.dtype.itemsize)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_view(self) -> CheckpointView:
+        marked = [i for i, grad in enumerate(self._grads) if grad is not None]
+        busy = (f"gradients {marked} of this step were already marked ready; call it after "
+                f"step()") if marked else None
+        return CheckpointView(self, self.shapes,
+                              [Group(s.members, s.offsets, s.chunk) for s in self._shards],
+                              [s.param for s in self._shards], replicated=self.params, busy=busy)
+
+    def _release_for_load(self) -> None:
+        """Nothing is held between steps that a load would make stale."""
 
     # ------------------------------------------------------------------ the step
     def mark_ready(self, index: int, grad: Any) -> None:
