@@ -1,9 +1,12 @@
 """Training that survives a lost rank: ``gpucoll run --elastic -m gpucoll.examples.train_digits
 --elastic`` with one rank SIGKILLed mid-epoch finishes every epoch on the survivors, at the
-accuracy of an undisturbed run; and the sampler's resume position that makes it possible."""
+accuracy of an undisturbed run; with ZeRO-1 (sharded state) the survivors go back to the last
+checkpoint; a stopped run resumes from its checkpoint at another number of ranks; and the
+sampler's resume position that makes it possible."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -20,8 +23,8 @@ pytestmark = pytest.mark.timeout(120)
 TRAIN = ["-m", "gpucoll.examples.train_digits", "--cpu", "--epochs", "2", "--batch-size", "48"]
 
 
-def _launch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "4", *args],
+def _launch(*args: str, ranks: int = 4) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", str(ranks), *args],
                           capture_output=True, text=True, timeout=100)
 
 
@@ -45,6 +48,56 @@ def test_a_sigkilled_rank_costs_no_step_and_no_accuracy():
     assert len(expected) == len(got) == 2, elastic.stdout
     assert expected[-1] > 0.9
     assert abs(got[-1] - expected[-1]) <= 0.01, (expected, got)
+
+
+ZERO = TRAIN + ["--zero", "--optimizer", "adam", "--loss-scaling"]
+
+
+def test_zero_goes_back_to_its_last_checkpoint_after_a_lost_rank(tmp_path):
+    """The lost rank's shard of Adam's state comes back from the checkpoint's files."""
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    plain = _launch(*ZERO)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    where = str(tmp_path / "ckpt")
+    elastic = _launch("--elastic", *ZERO, "--elastic", "--checkpoint-dir", where,
+                      "--checkpoint-every", "10", "--kill-rank", "2", "--kill-step", "35")
+    assert elastic.returncode == 0, elastic.stdout + elastic.stderr
+    assert "gpucoll run: rank 2 lost (signal SIGKILL)" in elastic.stderr, elastic.stderr
+    # steps 30 to 34 were trained on 4 ranks, then redone on 3 from the checkpoint of step 30
+    assert re.search(r"^\[rank 0\] # lost rank\(s\) 2 \(signal SIGKILL\): continued on 3 ranks "
+                     r"from the checkpoint of step 30 \(epoch 2, sample 48\)$", elastic.stdout,
+                     re.M), elastic.stdout
+    expected, got = _test_accuracies(plain.stdout), _test_accuracies(elastic.stdout)
+    assert len(expected) == len(got) == 2, elastic.stdout
+    assert expected[-1] > 0.9
+    assert abs(got[-1] - expected[-1]) <= 0.01, (expected, got)
+    assert sorted(os.listdir(where)) == ["step-00000050", "step-00000058"]   # newest two
+
+
+def test_a_stopped_run_resumes_from_its_checkpoint_on_fewer_ranks(tmp_path):
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    where = str(tmp_path / "ckpt")
+    one_go = _launch(*ZERO, ranks=2)
+    first = _launch(*ZERO, "--epochs", "1", "--checkpoint-dir", where, ranks=3)   # the last wins
+    assert first.returncode == 0 and len(_test_accuracies(first.stdout)) == 1, first.stdout
+    resumed = _launch(*ZERO, "--checkpoint-dir", where, ranks=2)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert re.search(r"^\[rank 0\] # resumed from .*step-00000029: step 29 \(epoch 2, sample 0\) "
+                     r"on 2 rank\(s\)$", resumed.stdout, re.M), resumed.stdout
+    expected, got = _test_accuracies(one_go.stdout), _test_accuracies(resumed.stdout)
+    assert len(expected) == 2 and len(got) == 1, resumed.stdout      # only epoch 2 was left
+    assert abs(got[-1] - expected[-1]) <= 0.01, (expected, got)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--checkpoint-dir", "d"], "--checkpoint-dir saves the sharded state of --zero"),
+    (["--zero", "--checkpoint-dir", "d", "--checkpoint-every", "0"], "must be >= 1, got 0"),
+    (["--zero", "--elastic"], "or add --checkpoint-dir with --zero"),
+])
+def test_checkpoint_usage_errors_exit_2(args, message):
+    run = subprocess.run([sys.executable, "-m", "gpucoll.examples.train_digits", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("world,new_world,start", [(4, 3, 72), (4, 3, 0), (3, 2, 100)])

@@ -6,6 +6,7 @@ Run with::
     gpucoll run -n 3 -m gpucoll.examples.train_digits --zero [--optimizer adam] [--loss-scaling]
     python -m gpucoll.examples.train_digits          # one process
     gpucoll run -n 4 --elastic -m gpucoll.examples.train_digits --elastic   # survives a lost rank
+    gpucoll run -n 4 -m gpucoll.examples.train_digits --zero --checkpoint-dir ckpt   # resumable
 
 Forward and backward are written with the array module: CuPy when it is installed and a GPU
 is present (``--cpu`` forces NumPy), NumPy otherwise. Each rank takes a disjoint shard of every
@@ -23,8 +24,16 @@ parallelism keeps every rank's weights identical; the survivor with the most ste
 broadcasts its weights, momentum and position), re-shard the rest of the epoch over the
 remaining ranks and redo the interrupted step; rank 0 prints "continued on N ranks from step
 S". ``--kill-rank R --kill-step S`` makes world rank R SIGKILL itself at global step S (to try
-it, and for the tests). ``--elastic`` takes the replicated SGD path: with ``--zero`` each rank
-holds only its shard of the optimizer state, which a lost rank takes with it.
+it, and for the tests). ``--elastic`` alone takes the replicated SGD path: with ``--zero`` each
+rank holds only its shard of the optimizer state, which a lost rank takes with it.
+
+``--checkpoint-dir D`` (with ``--zero``) saves the sharded state, the position in the data
+and the loss scaler to ``D/step-N`` every ``--checkpoint-every`` steps (and at step 0 and at
+the end), keeping
+the newest two. A run started with a checkpoint in D resumes from it, at any number of ranks.
+With ``--elastic`` too, the survivors of a lost rank shrink and go back to the newest
+checkpoint (the lost rank's shard of the state comes back from its files): rank 0 prints
+"continued on N ranks from the checkpoint of step S".
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from gpucoll import config
 from gpucoll.ddp import (Bucketer, DistributedSampler, DynamicLossScaler, ShardedOptimizer,
                          all_reduce_metrics, broadcast_parameters, make_optimizer)
 from gpucoll.errors import CommAbortedError, CommTimeoutError, PeerError
+from gpucoll.examples.checkpointing import resume, save_step
 
 FAILURES = (PeerError, CommTimeoutError, CommAbortedError)
 
@@ -266,6 +276,25 @@ def _recover(shard: _Shard, params, velocity, progress: Progress, args, dataset_
     return _Shard(comm, params, args, dataset_size)
 
 
+def _recover_from_checkpoint(shard: _Shard, params, progress: Progress, scaler, args,
+                             dataset_size: int) -> _Shard:
+    """Shrink to the survivors, re-shard the optimizer over them, load the newest checkpoint."""
+    old = shard.comm
+    comm = old.shrink()
+    old.close()
+    shard = _Shard(comm, params, args, dataset_size)
+    path = resume(shard.zero, args.checkpoint_dir, progress, scaler)
+    if path is None:
+        raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds no complete checkpoint "
+                         f"to continue from")
+    if comm.rank == 0:
+        lost = ", ".join(f"{rank} ({why})" for rank, why in sorted(comm.lost.items()))
+        print(f"# lost rank(s) {lost}: continued on {comm.size} ranks from the checkpoint of "
+              f"step {progress.step} (epoch {progress.epoch + 1}, sample {progress.offset})",
+              flush=True)
+    return shard
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser)
@@ -281,14 +310,25 @@ def main(argv=None) -> int:
                         help="fault injection: world rank R SIGKILLs itself at --kill-step")
     parser.add_argument("--kill-step", type=int, default=None, metavar="S",
                         help="the global step (from 0) at which --kill-rank dies")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="D",
+                        help="with --zero: save to D/step-N, resume from the newest there (at "
+                             "any number of ranks), and with --elastic go back to it")
+    parser.add_argument("--checkpoint-every", type=int, default=20, metavar="K",
+                        help="steps between checkpoints (default 20)")
     args = parser.parse_args(argv)
     if (args.kill_rank is None) != (args.kill_step is None):
         parser.error("--kill-rank and --kill-step go together")
     if args.zero and args.compression != "none":
         parser.error("--compression applies to the Bucketer, not to --zero")
-    if args.elastic and (args.zero or args.optimizer != "sgd" or args.loss_scaling):
+    if args.checkpoint_dir and not args.zero:
+        parser.error("--checkpoint-dir saves the sharded state of --zero")
+    if args.checkpoint_every < 1:
+        parser.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    if args.elastic and not args.checkpoint_dir and (args.zero or args.optimizer != "sgd"
+                                                     or args.loss_scaling):
         parser.error("--elastic continues from replicated state: it takes the SGD path, without "
-                     "--zero (sharded state), --optimizer adam or --loss-scaling")
+                     "--zero (sharded state), --optimizer adam or --loss-scaling; or add "
+                     "--checkpoint-dir with --zero to go back to the last checkpoint")
 
     xp = _array_module(args.cpu)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed, data=args.data)
@@ -317,6 +357,14 @@ def main(argv=None) -> int:
                   + (", elastic" if args.elastic else ""))
         world_rank = comm.to_world(comm.rank)
         progress = Progress()
+        if args.checkpoint_dir:
+            path = resume(shard.zero, args.checkpoint_dir, progress, scaler)
+            if path is None:   # step 0: there is always a checkpoint to go back to
+                save_step(shard.zero, args.checkpoint_dir, progress, scaler)
+            elif comm.rank == 0:
+                print(f"# resumed from {path}: step {progress.step} (epoch "
+                      f"{progress.epoch + 1}, sample {progress.offset}) on {comm.size} "
+                      f"rank(s)", flush=True)
         sums = {"loss": 0.0, "correct": 0, "seen": 0}
         start = time.perf_counter()
         while progress.epoch < args.epochs:
@@ -338,12 +386,19 @@ def main(argv=None) -> int:
                     sums["loss"] += loss * local_batch
                     sums["correct"] += hits
                     sums["seen"] += local_batch
+                    if args.checkpoint_dir and progress.step % args.checkpoint_every == 0:
+                        save_step(shard.zero, args.checkpoint_dir, progress, scaler)
                 _, test_correct, _ = loss_and_grads(params, x_test_dev, y_test_dev, xp)
                 totals = all_reduce_metrics(comm, sums)
             except FAILURES:
                 if not args.elastic:
                     raise
-                shard = _recover(shard, params, velocity, progress, args, len(x_train))
+                if args.checkpoint_dir:   # back to the checkpoint; this epoch's sums restart
+                    shard = _recover_from_checkpoint(shard, params, progress, scaler, args,
+                                                     len(x_train))
+                    sums = {"loss": 0.0, "correct": 0, "seen": 0}
+                else:
+                    shard = _recover(shard, params, velocity, progress, args, len(x_train))
                 continue
             if comm.rank == 0:
                 print(epoch_line(progress.epoch, totals, test_correct / len(x_test), start),
@@ -351,6 +406,8 @@ def main(argv=None) -> int:
             progress.epoch, progress.offset = progress.epoch + 1, 0
             sums = {"loss": 0.0, "correct": 0, "seen": 0}
             start = time.perf_counter()
+        if args.checkpoint_dir:   # the end, too (as the start of the next epoch)
+            save_step(shard.zero, args.checkpoint_dir, progress, scaler)
         state = shard.zero.state_bytes() if args.zero else optimizer.state_bytes()
         states = all_reduce_metrics(comm, {"state": state}, op="max")
         if comm.rank == 0:
