@@ -1,8 +1,9 @@
 """Collectives built on the public ones, so every backend has them without code of its own.
 
 - Object collectives (``broadcast_object``, ``all_gather_object``, ``gather_object``,
-  ``scatter_object``): values go through :mod:`gpucoll.objects` (never pickle) as uint8
-  arrays; lengths are exchanged first, so any size works.
+  ``scatter_object``) and object messages (``send_object``, ``recv_object``): values go
+  through :mod:`gpucoll.objects` (never pickle) as uint8 arrays; lengths go first, so any
+  size works.
 - Uneven gathers (``all_gather_v``, ``gather_v``): each rank contributes its own number of
   rows (first axis). Two ways, chosen by the numbers (bench/bench_gatherv.py, bench/RESULTS.md):
   rows padded to the longest contribution and moved by one ``all_gather`` / ``gather``
@@ -24,8 +25,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import objects
-from .flight_recorder import describe_array, describe_nothing, describe_rooted, \
-    describe_rooted_object, traced
+from .flight_recorder import describe_array, describe_nothing, describe_object_p2p, \
+    describe_rooted, describe_rooted_object, traced
 from .types import DTYPES, wire_code
 
 __all__ = ["CompositeCollectives"]
@@ -221,6 +222,38 @@ class CompositeCollectives:
         else:
             chunk = self.scatter(None, root, out=self._empty((longest,), np.uint8))
         return objects.decode(_to_host(chunk)[:int(lengths[self.rank])])
+
+    @traced(describe_object_p2p)
+    def send_object(self, obj: Any, dst: int, *, tag: int = 0) -> None:
+        """Send a Python value to rank ``dst`` (mpi4py's ``send``, torch's
+        ``send_object_list``): its length, then its bytes, as two messages with ``tag``.
+
+        Raises:
+            TypeError: part of ``obj`` cannot be encoded (before anything is sent).
+            ValueError: ``dst`` is out of range or this rank.
+        """
+        dst = self._peer(dst, "dst")
+        payload = objects.encode(obj, "obj")
+        self.send(self._from_host(np.array([payload.size], dtype=np.int64)), dst, tag=tag)
+        self.send(self._from_host(payload), dst, tag=tag)
+
+    @traced(describe_object_p2p)
+    def recv_object(self, src: int, *, tag: int = 0) -> Any:
+        """Receive a value that rank ``src`` sent with :meth:`send_object` and the same
+        ``tag``; returns a decoded copy. Values between two ranks arrive in the order sent.
+
+        Example (two ranks)::
+
+            if comm.rank == 0:
+                comm.send_object({"step": 3}, 1)
+            else:
+                comm.recv_object(0)        # {'step': 3}
+        """
+        src = self._peer(src, "src")
+        length = self.recv(self._empty((1,), np.int64), src, tag=tag)
+        count = int(_to_host(length)[0])
+        payload = self.recv(self._empty((count,), np.uint8), src, tag=tag)
+        return objects.decode(_to_host(payload))
 
     # ------------------------------------------------------------------ uneven gathers
     def _layout(self, x: Any, rows: int) -> List[int]:

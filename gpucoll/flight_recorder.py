@@ -186,6 +186,16 @@ def describe_p2p(x: Any, peer: Any, *, tag: Any = 0, **kwargs: Any) -> tuple:
     return getattr(x, "shape", None), getattr(x, "dtype", None), None, peer, tag, None
 
 
+def describe_object_p2p(first: Any = None, second: Any = None, *, tag: Any = 0,
+                        **kwargs: Any) -> tuple:
+    """``send_object(obj, dst)`` / ``recv_object(src)``: the peer and the tag."""
+    if "dst" in kwargs or "src" in kwargs:
+        peer = kwargs.get("dst", kwargs.get("src"))
+    else:
+        peer = first if second is None else second
+    return None, None, None, peer, tag, None
+
+
 def describe_sendrecv(x: Any, dst: Any, out: Any, src: Any, *, tag: Any = 0,
                       recv_tag: Any = None, **kwargs: Any) -> tuple:
     """The array sent; peer ``[dst, src]``, tag ``[send tag, receive tag]``."""

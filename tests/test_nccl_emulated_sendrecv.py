@@ -89,3 +89,20 @@ def test_arrays_come_back_as_the_caller_passed_them(run, emu):
 
     for r, (same, values, work_type) in enumerate(run(2, fn)):
         assert same and values == [6 - r] * 3 and work_type == "_Foreign"
+
+
+def test_object_messages_go_through_device_buffers(run, emu):
+    """``send_object`` / ``recv_object`` on NCCL: the length and the bytes as two ncclSend /
+    ncclRecv of device buffers, the value decoded on the host; in order per pair."""
+    def fn(comm):
+        if comm.rank == 0:
+            comm.send_object({"step": 3, "w": np.arange(5.0)}, 1, tag=2)
+            comm.send_object("after", 1, tag=2)
+            return [n for n, _ in _calls(emu, comm)]
+        return [comm.recv_object(0, tag=2), comm.recv_object(0, tag=2),
+                [n for n, _ in _calls(emu, comm)]]
+
+    sent, (first, second, received) = run(2, fn)
+    assert first["step"] == 3 and first["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert second == "after"
+    assert sent.count("send") == 4 and received.count("recv") == 4

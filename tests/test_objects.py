@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpucoll import objects
-from mp_harness import rank_pools
+from mp_harness import error_text, rank_pools
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,6 +206,43 @@ def test_object_collectives_every_root(pool):
                                  for r in range(n)], "all_gather_object")
         assert got["tiny"] == [None] * n
         assert got["default_root"] == "hello"
+
+
+def rank_object_messages(comm):
+    """Values to the next rank and from the previous one (even ranks send first), two per
+    pair in order, one large; then the usage errors, after which the ranks still agree."""
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return None
+    nxt, prev = (r + 1) % n, (r - 1) % n
+    got = []
+    for turn in (0, 1):
+        if (r % 2 == 0) == (turn == 0):
+            comm.send_object(sample(r), nxt, tag=4)
+            comm.send_object(("second", r, np.arange(40000, dtype=np.int64) * r), dst=nxt, tag=4)
+        else:
+            got.append(comm.recv_object(prev, tag=4))
+            got.append(comm.recv_object(src=prev, tag=4))
+    errors = [error_text(lambda: comm.send_object({1}, nxt)),
+              error_text(lambda: comm.send_object(1, r)),
+              error_text(lambda: comm.recv_object(n))]
+    return got, errors, comm.all_gather_object(r)
+
+
+def test_object_messages_arrive_in_order(pool):
+    n = pool.world_size
+    for rank, result in enumerate(pool.run(rank_object_messages)):
+        if n == 1:
+            assert result is None
+            continue
+        got, errors, after = result
+        prev = (rank - 1) % n
+        assert_same(got, [expected_after_codec(sample(prev)),
+                          ("second", prev, np.arange(40000, dtype=np.int64) * prev)])
+        assert errors[0].startswith("TypeError") and "type set at obj" in errors[0]
+        assert errors[1] == f"ValueError: dst={rank} is this rank; send/recv need another rank"
+        assert errors[2] == f"ValueError: src={n} is out of range for a communicator of size {n}"
+        assert after == list(range(n))
 
 
 def rank_bad_objects(comm):
