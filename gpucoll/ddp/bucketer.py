@@ -15,7 +15,7 @@ issues the same collectives in the same order. Only the ``Communicator`` interfa
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -36,6 +36,10 @@ def _zeros_beside(like: Any, length: int, dtype: Any) -> Any:
         return np.zeros(length, dtype=dtype)
     with like.device:
         return xp.zeros(length, dtype=dtype)
+
+
+def _host(x: Any) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.get()
 
 
 def _wire_dtype(dtype: np.dtype, compression: Optional[str]) -> np.dtype:
@@ -103,6 +107,11 @@ class Bucketer:
             dtype; scaling and the result are float32. Pre-divided by the world size before the
             cast, so float16 sums do not overflow.
         average: divide the sum by the world size (True) or return the sum.
+        uneven_inputs: ranks may run out of batches at different steps (torch's ``Join``):
+            the first bucket carries one more element, 1 on every rank still training, and a
+            rank out of batches calls :meth:`join`, which takes part in the others' steps
+            with zero gradients until every rank has joined. Averages still divide by the
+            world size, so every sample weighs the same (torch's default).
 
     Example (two ranks)::
 
@@ -114,7 +123,7 @@ class Bucketer:
 
     def __init__(self, comm, params: Sequence[Any], *, bucket_cap_bytes: int = 25 * MiB,
                  first_bucket_cap_bytes: int = 1 * MiB, compression: Optional[str] = None,
-                 average: bool = True):
+                 average: bool = True, uneven_inputs: bool = False):
         if compression not in _COMPRESSION:
             raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}")
         if bucket_cap_bytes <= 0 or first_bucket_cap_bytes <= 0:
@@ -136,6 +145,12 @@ class Bucketer:
                             bucket_cap_bytes, first_bucket_cap_bytes)
         self._buckets = [_Bucket(members, self.dtypes[members[0]], wire[members[0]], sizes)
                          for members in plan]
+        self.uneven_inputs = bool(uneven_inputs) and bool(self._buckets)
+        self._flag_at = None     # the first bucket's element that counts the ranks training
+        if self.uneven_inputs:
+            self._flag_at = self._buckets[0].length
+            self._buckets[0].length += 1
+        self._like = params[0] if params else None   # where join() allocates
         self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
         self._grads: List[Any] = [None] * len(self.shapes)
         self._callers: List[Any] = [None] * len(self.shapes)
@@ -207,6 +222,8 @@ class Bucketer:
             prescale = (1.0 / self.comm.size if self.average and bucket.wire_dtype != bucket.dtype
                         else 1.0)
             kernels.pack(grads, bucket.buffer, offsets=bucket.offsets, scale=prescale)
+            if self._next_issue == 0 and self._flag_at is not None:
+                bucket.buffer[self._flag_at] = 1     # this rank is still training
             bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True)
             self._next_issue += 1
 
@@ -258,6 +275,62 @@ class Bucketer:
             callers = self._callers
             self._reset(wait=True)
         return callers
+
+    def join(self, on_step: Optional[Callable[[List[Any]], None]] = None) -> int:
+        """This rank is out of batches: take part in the other ranks' steps with zero
+        gradients until every rank has called ``join()``; every rank returns together.
+
+        Args:
+            on_step: called with the averaged gradients (registration order, as ``finish()``
+                returns them, without loss-scale unscaling) of each step the others take:
+                apply the optimizer to them and this rank's parameters and optimizer state
+                stay identical to theirs. Without it they stay as they were; broadcast them
+                from a rank that trained to the end afterwards (``broadcast_parameters``).
+
+        Returns:
+            The number of steps this rank took part in without batches.
+
+        Raises:
+            RuntimeError: the Bucketer was made without ``uneven_inputs=True``.
+            ValueError: called inside a step (gradients marked) or with gradients still
+                accumulated by ``no_sync``.
+        """
+        if not self.uneven_inputs:
+            raise RuntimeError("join() needs Bucketer(..., uneven_inputs=True): every rank's "
+                               "steps must carry the count of ranks still training")
+        marked = [i for i, grad in enumerate(self._grads) if grad is not None]
+        if marked or self._accumulated or self._accumulating:
+            raise ValueError(f"join() is called between steps, outside no_sync() and with no "
+                             f"accumulated gradients (gradients marked: {marked}, accumulated: "
+                             f"{sorted(self._accumulated)})")
+        grads = [_zeros_beside(self._like, int(np.prod(shape, dtype=np.int64)), dtype)
+                 .reshape(shape) for shape, dtype in zip(self.shapes, self.dtypes)] \
+            if on_step is not None else None
+        steps = 0
+        while True:
+            try:
+                for bucket in self._buckets:
+                    if bucket.buffer is None:
+                        bucket.buffer = _zeros_beside(self._like, bucket.length,
+                                                      bucket.wire_dtype)
+                    else:
+                        bucket.buffer.fill(0)
+                    bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True)
+                for bucket in self._buckets:
+                    bucket.work.wait()
+            finally:
+                self._reset(wait=True)
+            first = self._buckets[0].buffer
+            if float(_host(first[self._flag_at:self._flag_at + 1])[0]) == 0:
+                return steps      # every rank has joined
+            steps += 1
+            if grads is not None:
+                for bucket in self._buckets:
+                    postscale = (1.0 / self.comm.size if self.average and
+                                 bucket.wire_dtype == bucket.dtype else 1.0)
+                    kernels.unpack(bucket.buffer, [grads[i] for i in bucket.members],
+                                   offsets=bucket.offsets, scale=postscale)
+                on_step(grads)
 
     def found_nonfinite(self) -> bool:
         """Whether the last checked ``finish()`` saw inf or NaN (reads the flag: a sync point)."""
