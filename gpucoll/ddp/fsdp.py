@@ -38,6 +38,7 @@ import numpy as np
 from .. import kernels
 from .bucketer import _array_module, _wire_dtype
 from .checkpoint import Checkpointable, CheckpointView, Group
+from .clipping import check_max_norm, clip_grad_norm
 from .layout import check_same_layout, shapes_checksum
 from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
 from .optim import SGD, make_optimizer
@@ -148,6 +149,7 @@ class FullyShardedParameters(Checkpointable):
         self.found_inf = None
         self.steps = 0
         self.skipped_steps = 0
+        self.grad_norm = None   # the last step's global gradient norm (with max_norm)
         self.wire_bytes = 0   # what this rank has sent in gathers and reductions (ring model)
 
     def _compute_dtype(self, name: Optional[str]) -> np.dtype:
@@ -362,18 +364,24 @@ class FullyShardedParameters(Checkpointable):
             unit.accumulated += reduced
 
     def step(self, *, loss_scale: Optional[float] = None, scaler: Any = None,
-             check_finite: Optional[bool] = None) -> bool:
+             check_finite: Optional[bool] = None, max_norm: Optional[float] = None) -> bool:
         """Finish the reduce-scatters, average (and unscale) the slices, update them.
 
         Units still gathered are released first: their values are about to change.
-        ``loss_scale``, ``scaler``, ``check_finite`` and the answer (False: some rank's
-        gradients had inf / NaN and every rank skipped the step) are as for
-        ``ShardedOptimizer.step``.
+        ``loss_scale``, ``scaler``, ``check_finite``, ``max_norm`` (clip to a global
+        gradient norm; ``grad_norm`` holds it) and the answer (False: some rank's gradients
+        had inf / NaN and every rank skipped the step) are as for ``ShardedOptimizer.step``.
 
         Raises:
             ValueError: some units' gradients were never reduced (listed), or units were
-                reduced for different numbers of micro-batches (the counts are named).
+                reduced for different numbers of micro-batches (the counts are named); a bad
+                max_norm.
         """
+        try:
+            check_max_norm(max_norm)
+        except ValueError:
+            self._reset()
+            raise
         for index in self.gathered_units:
             self.release(index)
         missing = [i for i, unit in enumerate(self._units) if unit.reducing is None]
@@ -402,6 +410,8 @@ class FullyShardedParameters(Checkpointable):
         if agree_on_overflow(self.comm, self.found_inf, scaler):
             self.skipped_steps += 1
             return False
+        if max_norm is not None:     # the slices' squares summed over the ranks: global
+            self.grad_norm = clip_grad_norm([unit.grad for unit in self._units], max_norm, comm=self.comm)
         for number, unit in enumerate(self._units):
             self.optimizer.update(number, unit.param, unit.grad)
         self.steps += 1

@@ -21,6 +21,7 @@ import numpy as np
 from .. import kernels
 from .bucketer import MiB, _array_module, plan_buckets
 from .checkpoint import Checkpointable, CheckpointView, Group
+from .clipping import check_max_norm, clip_grad_norm
 from .layout import check_same_layout, shapes_checksum
 from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
 from .optim import SGD, make_optimizer
@@ -108,6 +109,7 @@ class ShardedOptimizer(Checkpointable):
         self.found_inf = None
         self.steps = 0
         self.skipped_steps = 0
+        self.grad_norm = None   # the last step's global gradient norm (with max_norm)
 
     # ------------------------------------------------------------------ layout
     def _check_layout(self, sizes: Sequence[int]) -> None:
@@ -192,7 +194,7 @@ class ShardedOptimizer(Checkpointable):
             self._next_issue += 1
 
     def step(self, *, loss_scale: Optional[float] = None, scaler: Any = None,
-             check_finite: Optional[bool] = None) -> bool:
+             check_finite: Optional[bool] = None, max_norm: Optional[float] = None) -> bool:
         """Finish the reduce-scatters, update this rank's shard, all-gather the parameters.
 
         Args:
@@ -200,15 +202,22 @@ class ShardedOptimizer(Checkpointable):
             scaler: a ``DynamicLossScaler``: its ``scale`` unscales, and it is updated with
                 the overflow flag all ranks agreed on.
             check_finite: check for inf / NaN (default: when unscaling).
+            max_norm: clip the averaged gradients to this global 2-norm (one all-reduce of
+                the slices' sums of squares); the norm before clipping is in ``grad_norm``.
 
         Returns:
             True when the parameters were updated; False when some rank's gradients had inf /
             NaN and every rank skipped the step.
 
         Raises:
-            ValueError: some gradients were never marked ready (listed).
+            ValueError: some gradients were never marked ready (listed); a bad max_norm.
         """
         missing = [i for i, grad in enumerate(self._grads) if grad is None]
+        try:
+            check_max_norm(max_norm)
+        except ValueError:
+            self._reset()
+            raise
         if missing:
             self._reset()
             raise ValueError(f"gradients {missing} were not marked ready in this step; every "
@@ -224,6 +233,8 @@ class ShardedOptimizer(Checkpointable):
         if agree_on_overflow(self.comm, self.found_inf, scaler):
             self.skipped_steps += 1
             return False
+        if max_norm is not None:     # the slices' squares summed over the ranks: global
+            self.grad_norm = clip_grad_norm([shard.grad for shard in self._shards], max_norm, comm=self.comm)
         for number, shard in enumerate(self._shards):
             self.optimizer.update(number, shard.param, shard.grad)
             shard.work = self.comm.all_gather(shard.param, out=shard.buffer.reshape(
