@@ -13,7 +13,9 @@ bytes with one ``np.save`` per key and an fsync (no metadata, no agreement). Eve
 checked element for element
 against what was saved before timing counts. Times are the slowest rank's, best of
 ``--repeat``; the two take turns round by round. Loads read files the page cache still holds
-(just written), for both. Needs torch (CPU build).
+(just written), for both. The async columns: the time until ``save_checkpoint(...,
+async_write=True)`` and ``dcp.async_save`` return (what a training step waits for; each is
+then waited for, untimed, before the next round). Needs torch (CPU build).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def main() -> None:
               f"{args.units} units, best of {args.repeat}, slowest rank; torch {torch.__version__}")
         print(f"# {'elements':>9} {'MiB all':>8} {'raw save s':>11} {'save gc s':>10} "
               f"{'save dcp s':>11} {'dcp/gc':>7} {'load gc s':>10} {'load dcp s':>11} "
-              f"{'dcp/gc':>7}")
+              f"{'dcp/gc':>7} {'async gc s':>11} {'async dcp s':>12} {'dcp/gc':>7}")
     try:
         for seed, elements in enumerate(_count(e) for e in args.elements.split(",")):
             source = make_fsdp(comm, elements, args.units, seed)
@@ -126,10 +128,26 @@ def main() -> None:
                     "save dcp": lambda: dcp.save(dtensors(source), checkpoint_id=theirs),
                     "load gc": lambda: target.load_checkpoint(ours),
                     "load dcp": lambda: dcp.load(dtensors(target), checkpoint_id=theirs)}
+            pending = {}
+
+            def start_gc():
+                pending["gc"] = source.save_checkpoint(ours, async_write=True)
+
+            def start_dcp():
+                pending["dcp"] = dcp.async_save(dtensors(source), checkpoint_id=theirs)
+
+            runs["async gc"], runs["async dcp"] = start_gc, start_dcp
             best = {name: float("inf") for name in runs}
             for _ in range(args.repeat):
                 for name in ("raw save", "save gc", "save dcp"):
                     best[name] = min(best[name], timed(comm, runs[name]))
+                for name in ("async gc", "async dcp"):
+                    best[name] = min(best[name], timed(comm, runs[name]))
+                    if name == "async gc":
+                        pending.pop("gc").wait()
+                    else:
+                        pending.pop("dcp").result()
+                    comm.barrier()
                 for name in ("load gc", "load dcp"):
                     for key, arrays in slices(target).items():   # loads must write these
                         for array in arrays:
@@ -145,7 +163,9 @@ def main() -> None:
                       f"{best['save gc']:>10.3f} "
                       f"{best['save dcp']:>11.3f} {best['save dcp'] / best['save gc']:>7.2f} "
                       f"{best['load gc']:>10.3f} {best['load dcp']:>11.3f} "
-                      f"{best['load dcp'] / best['load gc']:>7.2f}", flush=True)
+                      f"{best['load dcp'] / best['load gc']:>7.2f} {best['async gc']:>11.3f} "
+                      f"{best['async dcp']:>12.3f} "
+                      f"{best['async dcp'] / best['async gc']:>7.2f}", flush=True)
     finally:
         comm.barrier()
         if comm.rank == 0 and args.dir is None:

@@ -230,6 +230,52 @@ def test_saving_again_replaces_the_checkpoint_and_its_files(pools, tmp_path):
         assert json.load(f)["steps"] == 3
 
 
+def rank_async_save(comm, kind, where):
+    """Save without waiting, train on (the checkpoint must hold the state at the save), then
+    wait; a second save before the wait is refused."""
+    params = init_params(SIZES, seed=5)
+    obj = _make(comm, kind, "adam", params)
+    _train(comm, kind, obj, params, range(SAVED_AT))
+    pending = obj.save_checkpoint(where, extra={"step": SAVED_AT}, async_write=True)
+    complete_before = checkpoint_exists(where)
+    _train(comm, kind, obj, params, range(SAVED_AT, STEPS))     # changes every slice
+    refused = _outcome(lambda: obj.save_checkpoint(where + "-other"))
+    path = pending.wait()
+    assert pending.wait() == path and pending.done()
+    return complete_before, refused, path, checkpoint_exists(where)
+
+
+@pytest.mark.parametrize("kind", ["zero", "fsdp"])
+def test_async_save_holds_the_state_at_the_call_and_completes_in_wait(pools, tmp_path, kind):
+    where = str(tmp_path / "ckpt")
+    for complete_before, refused, path, complete in pools[2].run(rank_async_save, kind, where):
+        assert not complete_before and complete and path == os.path.join(where, METADATA)
+        assert refused.startswith("ValueError: save_checkpoint: the previous "
+                                  "save_checkpoint(async_write=True) has not been waited for")
+    want, _ = reference("adam", STEPS)
+    for params, extra, steps, _ in pools[3].run(rank_resume, "zero", "adam", where, "files"):
+        assert steps == SAVED_AT and extra == {"step": SAVED_AT}
+        for got, expected in zip(params, want):
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def rank_async_write_error(comm, where):
+    params = init_params(SIZES, seed=5)
+    obj = _make(comm, "zero", "sgd", params)
+    _train(comm, "zero", obj, params, range(1))
+    pending = obj.save_checkpoint(where, async_write=True)
+    return _outcome(pending.wait)
+
+
+def test_an_async_write_error_comes_from_wait_on_every_rank(pools, tmp_path):
+    where = tmp_path / "ckpt"
+    (where / "velocity-rank00001-of-00002.npy").mkdir(parents=True)   # rank 1 cannot replace it
+    outcomes = pools[2].run(rank_async_write_error, str(where))
+    assert outcomes[1].startswith("IsADirectoryError:"), outcomes
+    assert outcomes[0].startswith("IsADirectoryError: save_checkpoint failed on rank 1"), outcomes
+    assert not checkpoint_exists(str(where))
+
+
 # ---------------------------------------------------------------- failures
 def _outcome(call):
     try:

@@ -362,16 +362,32 @@ class Checkpointable:
         """
         load_state(self._checkpoint_view(), state)
 
-    def save_checkpoint(self, directory: str, *, extra: Any = None) -> str:
+    def save_checkpoint(self, directory: str, *, extra: Any = None,
+                        async_write: bool = False) -> Any:
         """Write this rank's slices to ``directory`` (shared by every rank); see
-        :func:`gpucoll.ddp.checkpoint_files.save`. Returns the metadata file's path."""
+        :func:`gpucoll.ddp.checkpoint_files.save`. Returns the metadata file's path, or with
+        ``async_write=True`` a ``PendingCheckpoint`` at once (training goes on while the
+        files are written; its ``wait()``, on every rank, completes the checkpoint)."""
         from .checkpoint_files import save
 
-        return save(self._checkpoint_view(), directory, extra)
+        self._no_pending_save("save_checkpoint")
+        result = save(self._checkpoint_view(), directory, extra, async_write)
+        if async_write:
+            self._pending_save = result
+        return result
 
     def load_checkpoint(self, directory: str) -> Any:
         """Read the elements this rank owns from a checkpoint directory saved at any world
         size; see :func:`gpucoll.ddp.checkpoint_files.load`. Returns the saved ``extra``."""
         from .checkpoint_files import load
 
+        self._no_pending_save("load_checkpoint")
         return load(self._checkpoint_view(), directory)
+
+    def _no_pending_save(self, what: str) -> None:
+        """A save still writing must be waited for first (every rank has one, or none)."""
+        pending = getattr(self, "_pending_save", None)
+        if pending is not None and pending._result is None:
+            raise ValueError(f"{what}: the previous save_checkpoint(async_write=True) has not "
+                             f"been waited for; call its wait() on every rank first")
+        self._pending_save = None

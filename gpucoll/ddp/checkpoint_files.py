@@ -23,15 +23,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import uuid
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from .checkpoint import (FORMAT, PARAM, CheckpointView, Group, _check_idle, _has_state, agree,
                          apply_plan, plan_load, to_host)
 
-__all__ = ["METADATA", "save", "load", "checkpoint_exists"]
+__all__ = ["METADATA", "PendingCheckpoint", "save", "load", "checkpoint_exists"]
 
 METADATA = "metadata.json"
 _SHARD_FILE = re.compile(r"^[A-Za-z0-9_]+-rank\d+-of-\d+\.npy$")
@@ -46,7 +47,8 @@ def _file_name(key: str, rank: int, size: int) -> str:
     return f"{key}-rank{rank:05d}-of-{size:05d}.npy"
 
 
-def save(view: CheckpointView, directory: str, extra: Any = None) -> str:
+def save(view: CheckpointView, directory: str, extra: Any = None,
+         async_write: bool = False) -> Any:
     """Write this rank's slices and (rank 0) the metadata; a collective.
 
     Args:
@@ -54,28 +56,31 @@ def save(view: CheckpointView, directory: str, extra: Any = None) -> str:
         directory: created if missing; the same path on a file system every rank sees.
         extra: JSON-compatible values saved beside the state (epoch, data position, the
             loss scaler's ``state_dict()``...); :func:`load` returns them.
+        async_write: copy this rank's slices to host memory, write them in a background
+            thread and return a :class:`PendingCheckpoint` at once; training goes on while
+            the files are written, and its ``wait()`` (a collective) completes the
+            checkpoint. The copy holds this rank's share of the state until then.
 
     Returns:
-        The metadata file's path.
+        The metadata file's path (with ``async_write``: a PendingCheckpoint).
 
     Raises:
         TypeError: ``extra`` is not JSON-compatible (on every rank, before anything is
             written); ValueError: a step is in progress; OSError: a rank could not write,
             or rank 0 could not find every rank's files (the directory is not shared).
-            Every rank raises an error of the same type.
+            Every rank raises an error of the same type (with ``async_write``, write errors
+            come from ``wait()``).
     """
     comm = view.comm
-    error, keys, header = None, [], None
+    error, header = None, None
     try:
         directory = os.fspath(directory)
         _check_idle(view)
         header = _header(view, extra)
-        keys = header["keys"]
     except (TypeError, ValueError) as exc:
         error = exc
     agree(comm, "save_checkpoint", error)
     metadata = os.path.join(directory, METADATA)
-    error = None
     if comm.rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
@@ -84,23 +89,77 @@ def save(view: CheckpointView, directory: str, extra: Any = None) -> str:
         except OSError as exc:
             error = exc
     agree(comm, "save_checkpoint", error)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        for key in keys:
-            _write_slices(view, key, os.path.join(directory,
-                                                  _file_name(key, comm.rank, comm.size)))
-    except OSError as exc:
-        error = exc
-    agree(comm, "save_checkpoint", error)
-    if comm.rank == 0:
-        try:
-            _check_files(directory, header)
-            _write_atomically(metadata, json.dumps(header, indent=1).encode())
-            _remove_stale(directory, header)
-        except (OSError, ValueError) as exc:
-            error = exc
-    agree(comm, "save_checkpoint", error)
-    return metadata
+    paths = {key: os.path.join(directory, _file_name(key, comm.rank, comm.size))
+             for key in header["keys"]}
+    pending = PendingCheckpoint(comm, directory, header)
+    if async_write:
+        snapshot = {key: _snapshot(view, key) for key in header["keys"]}   # before returning
+        pending.start(lambda: _write_all(directory, paths, snapshot.pop))
+        return pending
+    pending.start(lambda: _write_all(directory, paths, lambda key: _snapshot(view, key)),
+                  inline=True)
+    return pending.wait()
+
+
+def _write_all(directory: str, paths: Dict[str, str], take) -> None:
+    os.makedirs(directory, exist_ok=True)
+    for key, path in paths.items():
+        _write_array(take(key), path)
+
+
+class PendingCheckpoint:
+    """A checkpoint whose files are being written (``save_checkpoint(async_write=True)``).
+
+    Until :meth:`wait` has returned on every rank the directory holds no complete
+    checkpoint (rank 0 writes the metadata in ``wait``), so a job that dies meanwhile leaves
+    the previous checkpoint as the newest.
+    """
+
+    def __init__(self, comm, directory: str, header: Dict[str, Any]):
+        self.comm, self.directory, self.header = comm, directory, header
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._result: Optional[str] = None
+
+    def start(self, write, inline: bool = False) -> None:
+        def run():
+            try:
+                write()
+            except OSError as exc:
+                self._error = exc
+        if inline:
+            run()
+            return
+        self._thread = threading.Thread(target=run, name="gpucoll-checkpoint-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether this rank's files are written (``wait()`` still completes the checkpoint)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Wait for this rank's files, agree with the other ranks, and (rank 0) write the
+        metadata; a collective. Returns the metadata file's path. Raises as
+        ``save_checkpoint`` does, on every rank; a second call returns at once."""
+        if self._result is not None:
+            return self._result
+        if self._thread is not None:
+            self._thread.join()
+        comm = self.comm
+        agree(comm, "save_checkpoint", self._error)
+        error = None
+        metadata = os.path.join(self.directory, METADATA)
+        if comm.rank == 0:
+            try:
+                _check_files(self.directory, self.header)
+                _write_atomically(metadata, json.dumps(self.header, indent=1).encode())
+                _remove_stale(self.directory, self.header)
+            except (OSError, ValueError) as exc:
+                error = exc
+        agree(comm, "save_checkpoint", error)
+        self._result = metadata
+        return metadata
 
 
 def _header(view: CheckpointView, extra: Any) -> Dict[str, Any]:
@@ -139,33 +198,25 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-def _write_slices(view: CheckpointView, key: str, path: str) -> None:
-    """This rank's slices of every group for ``key``, end to end, into one .npy file."""
-    total = sum(group.chunk for group in view.groups)
+def _snapshot(view: CheckpointView, key: str) -> np.ndarray:
+    """A host copy of this rank's slices of every group for ``key``, end to end."""
+    parts = [to_host(view.param_slices[number] if key == PARAM
+                     else view.optimizer.state[number][key]) for number in range(len(view.groups))]
+    return np.concatenate(parts).astype(view.dtype, copy=False)
+
+
+def _write_array(array: np.ndarray, path: str) -> None:
+    """``array`` as a .npy file at ``path``: written beside it, fsynced, renamed into place."""
     temporary = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        out = np.lib.format.open_memmap(temporary, mode="w+", dtype=view.dtype, shape=(total,))
-        position = 0
-        for number, group in enumerate(view.groups):
-            mine = (view.param_slices[number] if key == PARAM
-                    else view.optimizer.state[number][key])
-            out[position:position + group.chunk] = to_host(mine)
-            position += group.chunk
-        out.flush()
-        del out
-        _fsync(temporary)
+        with open(temporary, "wb") as f:
+            np.save(f, array)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_atomically(path: str, data: bytes) -> None:
