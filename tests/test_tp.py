@@ -94,6 +94,26 @@ def test_mlp_equals_unsharded(pool, sequence_parallel):
             assert fwd == {"all_reduce": 1} and bwd == {"all_reduce": 1}
 
 
+def rank_full_params(comm):
+    """Each rank's slices moved by a rank-dependent amount, then gathered whole."""
+    mlp = ParallelMLP(comm, IN, HIDDEN, OUT, seed=9)
+    for param in mlp.params[:3]:                 # W1, b1, W2 slices (b2 is replicated)
+        param += 1000.0 * (comm.rank + 1)
+    return mlp.full_params()
+
+
+def test_full_params_gathers_the_slices_in_rank_order(pool):
+    n = pool.world_size
+    (w1, b1), (w2, b2) = init_linear(IN, HIDDEN, seed=9), init_linear(HIDDEN, OUT, seed=10)
+    share = HIDDEN // n
+    moved = np.repeat(1000.0 * np.arange(1, n + 1), share).astype(np.float32)
+    want = [w1 + moved[None, :], b1 + moved, w2 + moved[:, None], b2]
+    for got in pool.run(rank_full_params):
+        assert [g.shape for g in got] == [(IN, HIDDEN), (HIDDEN,), (HIDDEN, OUT), (OUT,)]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
 def rank_layers(comm):
     """Column layer gathering its output; row layer taking a full input."""
     x, _ = _inputs()

@@ -60,6 +60,23 @@ class _ParallelLinear:
         """Gradients of :attr:`params` from the last ``backward``."""
         return [self.grad_weight] if self.bias is None else [self.grad_weight, self.grad_bias]
 
+    def full_params(self) -> List[Any]:
+        """The unsharded ``[weight (in, out), bias (out,)]`` (or ``[weight]``), gathered from
+        every rank's slice: to save the layer, or to build it again at another group size
+        from them. A collective: every rank of the group calls it."""
+        weight = self._gather(self.weight, self._split_axis)
+        if self.bias is None:
+            return [weight]
+        bias = self._gather(self.bias, 0) if self._split_axis == 1 else self.bias.copy()
+        return [weight, bias]
+
+    def _gather(self, part: Any, axis: int) -> Any:
+        """Every rank's ``part`` joined along ``axis`` (rank order)."""
+        if self.comm.size == 1:
+            return part.copy()
+        stacked = self.comm.all_gather(self.xp.ascontiguousarray(part))   # (p, *part.shape)
+        return self.xp.concatenate(list(stacked), axis=axis)
+
     def _check_input(self, x: Any, features: int, name: str) -> None:
         if getattr(x, "ndim", None) != 2 or x.shape[1] != features:
             raise ValueError(f"{type(self).__name__}: {name} must have shape (rows, {features}), "
@@ -94,6 +111,8 @@ def _check_linear(weight: Any, bias: Optional[Any]) -> Tuple[int, int]:
 
 
 class ColumnParallelLinear(_ParallelLinear):
+    _split_axis = 1   # the weight's columns (output features)
+
     """``y = x W + b`` with W's columns (output features) split across ``comm``'s ranks.
 
     Args:
@@ -167,6 +186,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
+    _split_axis = 0   # the weight's rows (input features)
+
     """``y = x W + b`` with W's rows (input features) split across ``comm``'s ranks.
 
     Args:

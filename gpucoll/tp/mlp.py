@@ -52,6 +52,10 @@ class ParallelMLP:
         """Gradients of :attr:`params` from the last ``backward``."""
         return self.fc1.grads + self.fc2.grads
 
+    def full_params(self) -> List[Any]:
+        """The unsharded [W1, b1, W2, b2] (a collective; see ``full_params`` of the layers)."""
+        return self.fc1.full_params() + self.fc2.full_params()
+
     def forward(self, x: Any) -> Any:
         hidden = self.fc1.forward(x)
         self._hidden = hidden
