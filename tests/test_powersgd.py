@@ -152,3 +152,26 @@ def test_cupy_gradients_equal_the_simulation():
         for step in range(5):
             for got, expected in zip(history[step], want[step][r]):
                 np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-5)
+
+
+def test_the_digits_example_trains_as_well_compressed():
+    """Error feedback at work: rank-4 approximations of every weight's gradient reach the
+    exact average's accuracy (the weights are 64x128, 128x128 and 128x10)."""
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", GPUCOLL_QUIET="1")
+    accuracy = {}
+    for extra in ([], ["--powersgd", "4"]):
+        run = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "2", "-m",
+                              "gpucoll.examples.train_digits", "--cpu", "--epochs", "5", *extra],
+                             capture_output=True, text=True, timeout=100, env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        found = re.findall(r"epoch +5 .* test acc ([0-9.]+)", run.stdout)
+        assert found, run.stdout
+        accuracy[bool(extra)] = float(found[0])
+    assert accuracy[False] > 0.95
+    assert abs(accuracy[True] - accuracy[False]) <= 0.02, accuracy

@@ -7,6 +7,7 @@ Run with::
     python -m gpucoll.examples.train_digits          # one process
     gpucoll run -n 4 --elastic -m gpucoll.examples.train_digits --elastic   # survives a lost rank
     gpucoll run -n 4 -m gpucoll.examples.train_digits --zero --checkpoint-dir ckpt   # resumable
+    gpucoll run -n 2 -m gpucoll.examples.train_digits --powersgd 2   # compressed gradients
 
 Forward and backward are written with the array module: CuPy when it is installed and a GPU
 is present (``--cpu`` forces NumPy), NumPy otherwise. Each rank takes a disjoint shard of every
@@ -49,8 +50,9 @@ import numpy as np
 
 import gpucoll
 from gpucoll import config
-from gpucoll.ddp import (Bucketer, DistributedSampler, DynamicLossScaler, ShardedOptimizer,
-                         all_reduce_metrics, broadcast_parameters, make_optimizer)
+from gpucoll.ddp import (Bucketer, DistributedSampler, DynamicLossScaler, PowerSGD,
+                         ShardedOptimizer, all_reduce_metrics, broadcast_parameters,
+                         make_optimizer)
 from gpucoll.errors import CommAbortedError, CommTimeoutError, PeerError
 from gpucoll.examples.checkpointing import resume, save_step
 
@@ -231,8 +233,12 @@ class _Shard:
         self.comm = comm
         self.local_batch = args.batch_size // comm.size
         self.sampler = DistributedSampler(dataset_size, comm, seed=args.seed, drop_last=True)
-        self.zero = self.bucketer = None
-        if args.zero:
+        self.zero = self.bucketer = self.powersgd = None
+        if args.powersgd:
+            self.powersgd = PowerSGD(comm, params, rank=args.powersgd, start_step=10)
+            self._grads: List[Any] = [None] * len(params)
+            self.hook, self.buckets = self._grads.__setitem__, 0   # kept until step()
+        elif args.zero:
             self.zero = ShardedOptimizer(comm, params, args.optimizer,
                                          first_bucket_cap_bytes=64 << 10,
                                          **_optimizer_settings(args))
@@ -247,6 +253,12 @@ class _Shard:
         """Average the gradients and update the weights (skipped when the scaler says so)."""
         if self.zero is not None:
             self.zero.step(scaler=scaler)
+            return
+        if self.powersgd is not None:     # after backward: it does not overlap with it
+            grads = self.powersgd.reduce(list(self._grads))
+            self._grads[:] = [None] * len(params)
+            for index, (param, grad) in enumerate(zip(params, grads)):
+                optimizer.update(index, param, grad)
             return
         grads = self.bucketer.finish(loss_scale=scaler.scale if scaler else None)
         if scaler is None or scaler.update(self.bucketer.found_nonfinite()):
@@ -299,6 +311,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser)
     parser.add_argument("--compression", choices=["none", "bf16", "fp16"], default="none")
+    parser.add_argument("--powersgd", type=int, default=0, metavar="R",
+                        help="average gradients through PowerSGD's rank-R approximations "
+                             "(exact for the first 10 steps)")
     parser.add_argument("--zero", action="store_true",
                         help="shard the optimizer state across ranks (ZeRO-1)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
@@ -320,6 +335,9 @@ def main(argv=None) -> int:
         parser.error("--kill-rank and --kill-step go together")
     if args.zero and args.compression != "none":
         parser.error("--compression applies to the Bucketer, not to --zero")
+    if args.powersgd and (args.zero or args.compression != "none" or args.loss_scaling):
+        parser.error("--powersgd replaces the Bucketer's averaging: not with --zero, "
+                     "--compression or --loss-scaling")
     if args.checkpoint_dir and not args.zero:
         parser.error("--checkpoint-dir saves the sharded state of --zero")
     if args.checkpoint_every < 1:
@@ -352,7 +370,9 @@ def main(argv=None) -> int:
         if comm.rank == 0:
             print(f"# digits: {len(x_train)} train / {len(x_test)} test, {comm.size} rank(s), "
                   f"backend {comm.backend}, arrays {xp.__name__}, global batch {args.batch_size}, "
-                  f"{shard.buckets} bucket(s), compression {args.compression}, optimizer "
+                  f"{shard.buckets} bucket(s), compression "
+                  f"{f'powersgd rank {args.powersgd}' if args.powersgd else args.compression}, "
+                  f"optimizer "
                   f"{args.optimizer}{' sharded (ZeRO-1)' if args.zero else ''}"
                   + (", elastic" if args.elastic else ""))
         world_rank = comm.to_world(comm.rank)
