@@ -37,7 +37,8 @@ import numpy as np
 
 from .. import kernels
 from .bucketer import _array_module, _wire_dtype
-from .checkpoint import Checkpointable, CheckpointView, Group
+from .checkpoint import CheckpointView, Group
+from .checkpointable import Checkpointable
 from .clipping import check_max_norm, clip_grad_norm
 from .layout import check_same_layout, shapes_checksum
 from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
