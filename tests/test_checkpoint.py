@@ -461,3 +461,28 @@ def test_cupy_state_saves_and_loads_on_the_device(tmp_path):
         assert module.startswith("cupy")
         for g, expected in zip(params, want):
             np.testing.assert_allclose(g, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_fsdp_example_resumes_on_fewer_ranks_with_clipping(tmp_path):
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    import re
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", GPUCOLL_QUIET="1")
+    where = str(tmp_path / "ckpt")
+
+    def launch(ranks, epochs, *extra):
+        run = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", str(ranks), "-m",
+                              "gpucoll.examples.train_fsdp", "--cpu", "--optimizer", "adam",
+                              "--batch-size", "48", "--max-norm", "1.0", "--epochs", str(epochs),
+                              *extra], capture_output=True, text=True, timeout=100, env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return run.stdout, [float(a) for a in re.findall(r"test acc ([0-9.]+)", run.stdout)]
+
+    _, whole = launch(2, 2)
+    _, first = launch(3, 1, "--checkpoint-dir", where)
+    out, rest = launch(2, 2, "--checkpoint-dir", where)
+    assert len(whole) == 2 and len(first) == 1 and len(rest) == 1, out
+    assert re.search(r"# resumed from .*step-00000029: epoch 2 on 2 rank\(s\)", out), out
+    assert abs(rest[0] - whole[-1]) <= 0.02, (whole, rest)

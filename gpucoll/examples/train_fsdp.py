@@ -3,6 +3,7 @@
 Run with::
 
     gpucoll run -n 2 -m gpucoll.examples.train_fsdp [--epochs 10] [--compute-dtype bf16]
+        [--max-norm 1.0] [--checkpoint-dir ckpt]
 
 Every rank keeps 1 / world_size of each layer's parameters, gradients and Adam or SGD state
 (``gpucoll.ddp.FullyShardedParameters``, one unit per linear layer). Forward gathers a layer
@@ -11,18 +12,23 @@ again, releases it, and reduce-scatters its gradients while the layers below are
 differentiated. At most two layers are whole on a rank at any time. ``--compute-dtype bf16``
 gathers and reduces in bfloat16 (half the bytes) while the master slices stay float32; the
 arithmetic here runs in float32 either way. Rank 0 prints the loss, the accuracy and the bytes
-each rank holds against what an unsharded replica would.
+each rank holds against what an unsharded replica would. ``--max-norm`` clips the gradients
+to a global norm (their slices' squares summed over the ranks). ``--checkpoint-dir D`` saves
+the sharded state to ``D/step-N`` after every epoch and resumes from the newest there, at any
+number of ranks.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 from typing import Any, List
 
 import numpy as np
 
 from gpucoll.ddp import DistributedSampler, FullyShardedParameters, all_reduce_metrics
+from gpucoll.examples.checkpointing import resume, save_step
 from gpucoll.examples.train_digits import (_array_module, _init, add_common_arguments, epoch_line,
                                            init_params, load_digits_split)
 from gpucoll.pp.layers import softmax_cross_entropy
@@ -85,7 +91,13 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="gradient accumulation: micro-batches per step (each unit is "
                              "reduce-scattered once per micro-batch)")
+    parser.add_argument("--max-norm", type=float, default=None,
+                        help="clip the gradients to this global norm")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="D",
+                        help="save to D/step-N after every epoch; resume from the newest there")
     args = parser.parse_args(argv)
+    if args.max_norm is not None and not args.max_norm > 0:
+        parser.error(f"--max-norm must be > 0, got {args.max_norm}")
     if args.layers < 2:
         parser.error("--layers must be at least 2")
     if args.micro_batches < 1:
@@ -114,7 +126,13 @@ def main(argv=None) -> int:
             print(f"# digits, fully sharded: {comm.size} ranks, layers {sizes}, optimizer "
                   f"{args.optimizer}, compute dtype {fsdp.compute_dtype.name}, arrays "
                   f"{xp.__name__}", flush=True)
-        for epoch in range(args.epochs):
+        progress = SimpleNamespace(epoch=0, offset=0, step=0)
+        if args.checkpoint_dir:
+            path = resume(fsdp, args.checkpoint_dir, progress)
+            if path is not None and comm.rank == 0:
+                print(f"# resumed from {path}: epoch {progress.epoch + 1} on {comm.size} "
+                      f"rank(s)", flush=True)
+        for epoch in range(progress.epoch, args.epochs):
             sampler.set_epoch(epoch)
             mine = sampler.indices()
             start = time.perf_counter()
@@ -127,7 +145,7 @@ def main(argv=None) -> int:
                     loss, hits = fsdp_loss_and_grads(fsdp, x_dev[part], y_dev[part], xp,
                                                      scale=1 / args.micro_batches, track=whole)
                     loss_sum, correct = loss_sum + loss, correct + hits
-                fsdp.step()
+                fsdp.step(max_norm=args.max_norm)
                 seen += len(rows)
             totals = all_reduce_metrics(comm, {"loss": loss_sum, "correct": correct,
                                                "seen": seen})
@@ -135,6 +153,9 @@ def main(argv=None) -> int:
             test = float((logits.argmax(axis=1) == xp.asarray(y_test)).mean())
             if comm.rank == 0:
                 print(epoch_line(epoch, totals, test, start), flush=True)
+            if args.checkpoint_dir:
+                progress.epoch, progress.step = epoch + 1, fsdp.steps
+                save_step(fsdp, args.checkpoint_dir, progress)
         held = fsdp.resident_bytes()
         if comm.rank == 0:
             print(f"# bytes per rank: {held} held between steps (parameter and gradient "
