@@ -100,24 +100,15 @@ def on_test_hosts(args) -> None:
                 hosts.qdisc(host, "tbf", "rate", args.test_hosts, "burst", "256kb",
                             "latency", "100ms")
         env = dict(os.environ, PYTHONPATH=str(ROOT), GPUCOLL_AUTH_TOKEN="node-aware-bench")
-        procs = [hosts.popen(k, [sys.executable, "-m", "gpucoll", "run", "-n", "2", "--nnodes",
-                                 "2", "--node-rank", str(k), "--master-addr", hosts.addrs[0],
-                                 "--master-port", "29500", "--timeout", "1200", __file__,
-                                 "--hosts", "aabb", "--sizes", args.sizes,
-                                 "--repeat", str(args.repeat)], env=env, cwd=str(ROOT))
-                 for k in (0, 1)]
-        try:
-            outputs = [proc.communicate(timeout=1300) for proc in procs]
-        finally:
-            for proc in procs:
-                proc.kill()
+        outputs = hosts.run_everywhere(
+            lambda k: [sys.executable, "-m", "gpucoll", "run", "-n", "2", "--nnodes", "2",
+                       "--node-rank", str(k), "--master-addr", hosts.addrs[0], "--master-port",
+                       "29500", "--timeout", "1200", __file__, "--hosts", "aabb", "--sizes",
+                       args.sizes, "--repeat", str(args.repeat)],
+            env, timeout=1300, cwd=str(ROOT))
         print(f"# two test hosts, link limited to {args.test_hosts} each way")
-        for line in outputs[0][0].splitlines():
+        for line in outputs[0].splitlines():
             print(line.removeprefix("[rank 0] "))
-        failed = [k for k, proc in enumerate(procs) if proc.returncode != 0]
-        if failed:
-            raise SystemExit(f"host(s) {failed} failed:\n" + "\n".join(
-                outputs[k][1][-2000:] for k in failed))
 
 
 def main() -> None:

@@ -75,25 +75,16 @@ def on_test_hosts(args) -> None:
             hosts.qdisc(host, "tbf", "rate", args.test_hosts, "burst", "256kb",
                         "latency", "100ms")
         env = dict(os.environ, PYTHONPATH=str(ROOT), GPUCOLL_AUTH_TOKEN="powersgd-bench")
-        procs = [hosts.popen(k, [sys.executable, "-m", "gpucoll", "run", "-n", "1", "--nnodes",
-                                 "2", "--node-rank", str(k), "--master-addr", hosts.addrs[0],
-                                 "--master-port", "29500", "--timeout", "1200", __file__,
-                                 "--width", str(args.width), "--layers", str(args.layers),
-                                 "--ranks", args.ranks, "--repeat", str(args.repeat)],
-                             env=dict(env, GLOO_SOCKET_IFNAME=hosts.devices[k]), cwd=str(ROOT))
-                 for k in (0, 1)]
-        try:
-            outputs = [proc.communicate(timeout=1300) for proc in procs]
-        finally:
-            for proc in procs:
-                proc.kill()
+        outputs = hosts.run_everywhere(
+            lambda k: ["env", f"GLOO_SOCKET_IFNAME={hosts.devices[k]}", sys.executable, "-m",
+                       "gpucoll", "run", "-n", "1", "--nnodes", "2", "--node-rank", str(k),
+                       "--master-addr", hosts.addrs[0], "--master-port", "29500", "--timeout",
+                       "1200", __file__, "--width", str(args.width), "--layers",
+                       str(args.layers), "--ranks", args.ranks, "--repeat", str(args.repeat)],
+            env, timeout=1300, cwd=str(ROOT))
         print(f"# two test hosts, one rank each, link limited to {args.test_hosts} each way")
-        for line in outputs[0][0].splitlines():
+        for line in outputs[0].splitlines():
             print(line.removeprefix("[rank 0] "))
-        failed = [k for k, proc in enumerate(procs) if proc.returncode != 0]
-        if failed:
-            raise SystemExit(f"host(s) {failed} failed:\n" + "\n".join(
-                outputs[k][1][-2000:] for k in failed))
 
 
 def main() -> None:

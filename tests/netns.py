@@ -186,6 +186,23 @@ class TestHosts:
         return subprocess.Popen(self.command(host, argv), env=None if env is None else dict(env),
                                 stdin=subprocess.DEVNULL, text=True, **kwargs)
 
+    def run_everywhere(self, argv_of, env: Mapping[str, str], timeout: float,
+                       **kwargs) -> List[str]:
+        """Run ``argv_of(k)`` on every host ``k`` at once and return their stdouts; every
+        process is killed at ``timeout``. SystemExit names the hosts that failed, with the
+        end of their stderr (the benchmarks' ``--test-hosts`` runs)."""
+        procs = [self.popen(k, argv_of(k), env=env, **kwargs) for k in range(len(self.names))]
+        try:
+            outputs = [proc.communicate(timeout=timeout) for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+        failed = [k for k, proc in enumerate(procs) if proc.returncode != 0]
+        if failed:
+            raise SystemExit(f"host(s) {failed} failed:\n" + "\n".join(
+                outputs[k][1][-2000:] for k in failed))
+        return [out for out, _ in outputs]
+
     def pids(self, host: int) -> List[int]:
         """The processes running inside host ``host``."""
         listed = _ip("netns", "pids", self.names[host], check=False).stdout.split()

@@ -153,7 +153,8 @@ class PendingCheckpoint:
         if comm.rank == 0:
             try:
                 _check_files(self.directory, self.header)
-                _write_atomically(metadata, json.dumps(self.header, indent=1).encode())
+                text = json.dumps(self.header, indent=1).encode()
+                _write_atomically(metadata, lambda f: f.write(text))
                 _remove_stale(self.directory, self.header)
             except (OSError, ValueError) as exc:
                 error = exc
@@ -206,24 +207,17 @@ def _snapshot(view: CheckpointView, key: str) -> np.ndarray:
 
 
 def _write_array(array: np.ndarray, path: str) -> None:
-    """``array`` as a .npy file at ``path``: written beside it, fsynced, renamed into place."""
+    """``array`` as a .npy file at ``path`` (see :func:`_write_atomically`)."""
+    _write_atomically(path, lambda f: np.save(f, array))
+
+
+def _write_atomically(path: str, write) -> None:
+    """``write(file)`` into a file beside ``path``, fsynced, then renamed into place: a crash
+    leaves the old file or the new one, never half of one."""
     temporary = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         with open(temporary, "wb") as f:
-            np.save(f, array)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    temporary = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(temporary, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
