@@ -26,6 +26,7 @@ from .work import Work
 __all__ = ["Communicator"]
 
 Array = Any  # numpy.ndarray, cupy.ndarray, or what a backend accepts
+_parse_op = ReduceOp.parse  # bound once (hot path)
 
 
 def _shape_of(x: Array) -> Tuple[int, ...]:
@@ -188,7 +189,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
             x = np.full(4, comm.rank + 1.0)   # rank 0: 1s, rank 1: 2s
             comm.all_reduce(x)                # both: [3, 3, 3, 3]
         """
-        op = ReduceOp.parse(op)
+        op = _parse_op(op)
         x_in, out_in = x, out
         x = self._array(x, "x")
         check_op_dtype(op, x.dtype)
@@ -196,8 +197,10 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
             self._writable(x, "x")
         else:
             out = self._out(out, _shape_of(x), x.dtype)
-        return self._hand_back(self._all_reduce(x, op, out, async_op, stream),
-                               x, x_in, out, out_in)
+        result = self._all_reduce(x, op, out, async_op, stream)
+        if result is x and self._converts_arrays:  # in place: _hand_back's first case, inlined
+            return x_in
+        return self._hand_back(result, x, x_in, out, out_in)
 
     @traced(describe_rooted)
     def broadcast(self, x: Array, root: int = 0, *, async_op: bool = False, stream: Any = None):
@@ -226,7 +229,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
 
             y = comm.reduce(np.ones(2), root=1)   # rank 1: [2, 2]; rank 0: None
         """
-        op = ReduceOp.parse(op)
+        op = _parse_op(op)
         root = self._root(root)
         x_in, out_in = x, out
         x = self._array(x, "x")
@@ -266,7 +269,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
             x = np.array([[1.0], [2.0]]) * (comm.rank + 1)
             comm.reduce_scatter(x)            # rank 0: [3.]; rank 1: [6.]
         """
-        op = ReduceOp.parse(op)
+        op = _parse_op(op)
         x_in, out_in = x, out
         x = self._array(x, "x")
         check_op_dtype(op, x.dtype)

@@ -166,7 +166,10 @@ def describe_nothing(*args: Any, **kwargs: Any) -> tuple:
 
 
 def describe_array(x: Any, *args: Any, **kwargs: Any) -> tuple:
-    return getattr(x, "shape", None), getattr(x, "dtype", None), None, None, None, None
+    try:  # an array (hot path: no getattr with a default)
+        return x.shape, x.dtype, None, None, None, None
+    except AttributeError:
+        return getattr(x, "shape", None), getattr(x, "dtype", None), None, None, None, None
 
 
 def describe_rooted(x: Any = None, root: Any = 0, *args: Any, **kwargs: Any) -> tuple:

@@ -34,11 +34,9 @@ class ReduceOp(enum.Enum):
     @classmethod
     def parse(cls, op: Union["ReduceOp", str]) -> "ReduceOp":
         try:
-            found = _PARSED.get(op)
-        except TypeError:  # unhashable: not an op; the error below names it
-            found = None
-        if found is not None:
-            return found
+            return _PARSED[op]  # a member, or its exact or upper-case name (hot path)
+        except (KeyError, TypeError):  # TypeError: unhashable, not an op; the error names it
+            pass
         if isinstance(op, str):
             try:
                 return cls(op.strip().lower())
@@ -49,7 +47,8 @@ class ReduceOp(enum.Enum):
 
 
 _OP_NAMES = {member.value: member for member in ReduceOp}  # the exact lower-case names (hot path)
-_PARSED = {**_OP_NAMES, **{member: member for member in ReduceOp}}
+_PARSED = {**_OP_NAMES, **{name.upper(): member for name, member in _OP_NAMES.items()},
+           **{member: member for member in ReduceOp}}
 
 # name: (wire code, NCCL dtype name or None)
 DTYPES: Dict[str, tuple] = {

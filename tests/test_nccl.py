@@ -2,6 +2,7 @@
 tables, progress records in the store, and the watchdog (real threads, work items whose
 completion the test controls). The NCCL calls themselves are in test_nccl_gpu.py."""
 
+import re
 import sys
 import threading
 import time
@@ -118,6 +119,16 @@ def test_dtype_table_covers_what_nccl_reduces():
     for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
         with pytest.raises(TypeError, match=f"op {op.value} is not supported by NCCL"):
             nccl_runtime.nccl_op(mod, op)
+
+
+def test_ops_parse_from_members_and_names_in_any_case():
+    for member in ReduceOp:
+        for spelling in (member, member.value, member.value.upper(), f" {member.value.title()} "):
+            assert ReduceOp.parse(spelling) is member
+    for bad in ("mean", "", 0, None, ["sum"], {"op": "sum"}):  # the last two are unhashable
+        with pytest.raises(ValueError, match=f"unknown reduction op {re.escape(repr(bad))}; "
+                                             f"expected one of sum, prod"):
+            ReduceOp.parse(bad)
 
 
 # ---------------------------------------------------------------- progress in the store

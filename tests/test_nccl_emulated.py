@@ -364,6 +364,36 @@ def test_arrays_that_cannot_be_used(run, emu):
     assert run(1, fn) == [True]
 
 
+def test_the_one_pass_array_check_agrees_with_the_full_checks(run, emu):
+    """The NCCL backend takes a C-contiguous CuPy array on its GPU, of a dtype accepted before,
+    in one pass; every argument gets what the full checks give: the same array or error."""
+    from gpucoll.communicator import Communicator
+
+    cp = emu.cupy
+
+    def outcome(check, x):
+        try:
+            got = check(x, "x")
+        except (TypeError, ValueError) as exc:
+            return type(exc).__name__, str(exc)
+        return type(got), got.data.ptr, got.shape, got.dtype
+
+    def fn(comm):
+        with cp.cuda.Device(comm.device + 1):
+            elsewhere = cp.ones(3)
+        plain = cp.ones(3, dtype=cp.float32)
+        cases = [plain, cp.ones((2, 3), dtype=cp.float16), cp.ones(4, dtype=cp.uint16),
+                 cp.ones((4, 4))[:, ::2], elsewhere, cp.asarray(np.array(["a"])), np.ones(3),
+                 [1.0], _OnlyDLPack(cp.ones(3)), _Foreign(cp.ones((2, 2))[:, :1])]
+        for x in cases + cases:  # the second time, every dtype accepted is known
+            assert outcome(comm._array, x) == outcome(
+                lambda y, name: Communicator._array(comm, y, name), x)
+        assert comm._array(plain, "x") is plain
+        return True
+
+    assert run(1, fn) == [True]
+
+
 class _TorchBFloat16Like(_OnlyDLPack):
     """What torch hands out for a bfloat16 CUDA tensor: DLPack with the real dtype, and a
     ``__cuda_array_interface__`` whose typestr is ``"<V2"`` with no ``descr`` (CuPy reads that

@@ -44,7 +44,7 @@ from ..rendezvous import hosts
 from ..rendezvous.best_effort import ABORT_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
 from ..rendezvous.survivors import agree_on_survivors
-from ..types import ReduceOp
+from ..types import _CODE_OF as _ACCEPTED_DTYPES, ReduceOp  # dtypes wire_code() accepted
 from . import nccl_runtime, signature
 from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
@@ -139,6 +139,13 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
     def _import_array(self, x: Any, name: str) -> Any:
         return import_device_array(self._cupy, x, name, self.device, self.rank)
 
+    def _array(self, x: Any, name: str) -> Any:
+        """``Communicator._array``; one pass for a C-contiguous CuPy array here of a known dtype."""
+        if isinstance(x, self._cupy.ndarray) and x.device.id == self.device and \
+                x.dtype in _ACCEPTED_DTYPES and x.flags.c_contiguous:
+            return x
+        return Communicator._array(self, x, name)
+
     def _empty(self, shape: Tuple[int, ...], dtype: Any) -> Any:
         """A new array on this communicator's GPU, whichever device is current."""
         with self._cupy.cuda.Device(self.device):
@@ -146,9 +153,6 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
 
     def _export(self, result: Any, like: Any) -> Any:
         return export_like(self._cupy, result, like)
-
-    def _stream_ptr(self, stream: Any) -> int:
-        return stream_pointer(self._cupy, stream)
 
     def _reduction(self, x: Any, op: ReduceOp) -> Tuple[int, int, int]:
         """(NCCL dtype, element count, NCCL op) for reducing ``x`` with ``op``."""
@@ -270,34 +274,35 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
     def _new_event(self) -> Any:
         return self._cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
 
-    def _enqueue(self, name: str, launch: Callable[[int], None], stream: Any, async_op: bool,
+    def _enqueue(self, name: str, launch: Callable[..., None], stream: Any, async_op: bool,
                  result: Any, *, seq: Optional[int] = None, peer: Optional[int] = None,
-                 check: Optional[tuple] = None) -> Any:
-        """Run the debug check, ``launch(stream_ptr)``, record an event, hand it to the watchdog.
-
-        ``seq`` is None for point-to-point operations (they have their own counter).
-        """
-        self._check_alive()
-        if self._runtime.getDevice() == self.device:
-            return self._enqueue_here(name, launch, stream, async_op, result, seq, peer, check)
-        with self._cupy.cuda.Device(self.device):  # its GPU, whichever device is current
-            return self._enqueue_here(name, launch, stream, async_op, result, seq, peer, check)
-
-    def _enqueue_here(self, name, launch, stream, async_op, result, seq, peer, check) -> Any:
-        """``_enqueue`` with this communicator's GPU current."""
-        ptr = self._stream_ptr(stream)
+                 check: Optional[tuple] = None, args: tuple = (), _current: bool = False) -> Any:
+        """On this communicator's GPU: the debug check (``check``, read with GPUCOLL_DEBUG only),
+        ``launch(*args, stream_ptr)``, an event for the watchdog. ``seq``: None for p2p ops."""
+        if self._failure is not None or self._closed:
+            self._check_alive()  # raises
+        if not _current and self._runtime.getDevice() != self.device:
+            with self._cupy.cuda.Device(self.device):  # its GPU, whichever device is current
+                return self._enqueue(name, launch, stream, async_op, result, seq=seq, peer=peer,
+                                     check=check, args=args, _current=True)
+        cupy = self._cupy
+        ptr = cupy.cuda.get_current_stream().ptr if stream is None else stream_pointer(cupy, stream)
         collective = seq is not None
         if collective:
-            self._seq = seq  # taken only now: a usage error above must not use up a number
+            number = self._seq = seq  # taken only now: a usage error must not use up a number
         else:
-            self._p2p_seq += 1
-        number = seq if collective else self._p2p_seq
+            number = self._p2p_seq = self._p2p_seq + 1
         if check is not None and self._debug and self.size > 1:
             self._debug_check(name, seq, *check)
-        deadline = time.monotonic() + self.timeout
-        self._watchdog.enter_host_call(Pending(name, number, deadline, None, peer, collective))
+        # the watchdog's entry (the host call's, then its event's), the flight recorder's probe
+        pending = EnqueuedCall(name, number, time.monotonic() + self.timeout, None, peer,
+                               collective, None if async_op else self._events, ptr,
+                               self._event_done)
+        pending.comm = self
+        watchdog = self._watchdog
+        watchdog.enter_host_call(pending)
         try:
-            launch(ptr)
+            launch(*args, ptr)
         except GpucollError:
             raise
         except Exception as exc:  # NcclError raised while enqueueing
@@ -307,18 +312,16 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
             self._fail("error", message, None)
             raise CommAbortedError(message) from exc
         finally:
-            self._watchdog.leave_host_call()
+            watchdog.leave_host_call()
         if self._failure is not None:  # the call returned only after the watchdog gave up
             raise self._error()
         event = self._events.pop() if self._events else self._new_event()
         self._runtime.eventRecord(event.ptr, ptr)
-        # a Work keeps its event (pool None); other events go back to the pool once done
-        pending = Pending(name, number, deadline, event, peer, collective,
-                          None if async_op else self._events, ptr, self._event_done)
-        self._watchdog.track(pending)
+        pending.event = event
+        watchdog.track(pending)
         if async_op:
             return CudaWork(self, name, number, event, result, peer)
-        self._enqueued = EnqueuedCall(self, pending)   # for the flight recorder's record
+        self._enqueued = pending  # for the flight recorder's record
         return result
 
     def _next_seq(self) -> int:
@@ -349,13 +352,17 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        dtype, count, reduce_op = self._reduction(x, op)
-        target = x if out is None else out
-        comm, src, dst = self.nccl_comm, x.data.ptr, target.data.ptr
-        seq = self._next_seq()
-        return self._enqueue(
-            "all_reduce", lambda s: comm.allReduce(src, dst, count, dtype, reduce_op, s),
-            stream, async_op, target, seq=seq, check=(x.dtype, x.shape, op))
+        try:  # _reduction, its cache inlined (hot path)
+            dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
+            count = per_element * x.size
+        except KeyError:
+            dtype, count, reduce_op = self._reduction(x, op)
+        src = x.data.ptr
+        target, dst = (x, src) if out is None else (out, out.data.ptr)
+        return self._enqueue(  # seq: _next_seq(); launch: a bound method, no closure (hot path)
+            "all_reduce", self.nccl_comm.allReduce, stream, async_op, target, seq=self._seq + 1,
+            check=(x.dtype, x.shape, op) if self._debug else None,
+            args=(src, dst, count, dtype, reduce_op))
 
     def _broadcast(self, x, root: int, async_op: bool, stream=None):
         comm, ptr, nbytes, kind = self.nccl_comm, x.data.ptr, x.nbytes, self._bytes_type

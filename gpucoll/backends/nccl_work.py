@@ -7,38 +7,36 @@ from typing import Any, Optional
 
 from ..errors import GpucollError
 from ..work import Work
+from .watchdog import Pending
 
 __all__ = ["CudaWork", "EnqueuedCall"]
 
 
-class EnqueuedCall:
-    """A blocking NCCL call, which returns once enqueued: whether it has finished on the GPU,
-    for the flight recorder (``is_completed()`` and ``exception()``, as a Work's, never block).
+class EnqueuedCall(Pending):
+    """The watchdog's entry for one NCCL call (a :class:`~.watchdog.Pending`), which also tells
+    the flight recorder whether a blocking call, which returns once enqueued, has finished on
+    the GPU (``is_completed()`` and ``exception()``, as a Work's, never block).
 
     Finished once the watchdog has seen its event complete, or the event says so now (until the
     watchdog releases it the event is this call's alone); a communicator that failed first
-    makes it failed with the failure's error.
+    makes it failed with the failure's error. The backend sets ``comm`` right after creating it.
     """
 
-    __slots__ = ("_comm", "_pending")
-
-    def __init__(self, comm: Any, pending: Any):
-        self._comm, self._pending = comm, pending
+    __slots__ = ("comm",)
 
     def _done(self) -> bool:
-        pending = self._pending
-        if pending.finished:
+        if self.finished:
             return True
         try:
-            return pending.done() and not self._comm._aborted_before_done(pending.event)
+            return self.done() and not self.comm._aborted_before_done(self.event)
         except Exception:  # a CUDA fault ended it: the communicator's failure says how
             return False
 
     def is_completed(self) -> bool:
-        return self._comm._failure is not None or self._done()
+        return self.comm._failure is not None or self._done()
 
     def exception(self) -> Optional[BaseException]:
-        failure = self._comm._failure
+        failure = self.comm._failure
         if failure is None or self._done():
             return None
         kind, message = failure

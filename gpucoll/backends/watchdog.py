@@ -68,8 +68,14 @@ class Pending:
                  peer: Optional[int] = None, collective: bool = True,
                  pool: Optional[List[Any]] = None, stream: Any = None,
                  query: Optional[Callable[[Any], bool]] = None):
-        self.op, self.seq, self.deadline, self.event = op, seq, deadline, event
-        self.peer, self.collective, self.pool, self.stream = peer, collective, pool, stream
+        self.op = op  # one store per line: no tuple built and unpacked (hot path)
+        self.seq = seq
+        self.deadline = deadline
+        self.event = event
+        self.peer = peer
+        self.collective = collective
+        self.pool = pool
+        self.stream = stream
         self.query = query
         self.finished = False  # seen complete and released (its event may serve another op)
 
