@@ -169,7 +169,8 @@ def gather_state(view: CheckpointView, root: Optional[int] = None) -> Optional[D
                 whole[key][member] = flat[offset:offset + size].reshape(view.shapes[member]).copy()
     if root is not None and comm.rank != root:
         return None
-    scalars = {key: [optimizer.state[_group_of(view, p)][key] for p in range(len(view.shapes))]
+    group_of = {m: number for number, group in enumerate(view.groups) for m in group.members}
+    scalars = {key: [optimizer.state[group_of[p]][key] for p in range(len(view.shapes))]
                for key in (scalar_keys if has_state else ())}
     return {"format": FORMAT, "dtype": view.dtype.name,
             "shapes": [list(s) for s in view.shapes], "params": whole[PARAM],
@@ -185,13 +186,6 @@ def _gathered(comm, mine: Any, chunk: int, root: Optional[int]) -> Optional[np.n
         return to_host(comm.all_gather(mine)).reshape(-1)
     out = comm.gather(mine, root)
     return None if out is None else to_host(out).reshape(-1)
-
-
-def _group_of(view: CheckpointView, param: int) -> int:
-    for number, group in enumerate(view.groups):
-        if param in group.members:
-            return number
-    raise AssertionError(f"parameter {param} is in no group")
 
 
 def load_state(view: CheckpointView, state: Any) -> None:
