@@ -155,3 +155,34 @@ def test_moe_bad_input(pool):
         assert local[5] == (f"ValueError: MoELayer.backward: grad_output has shape (2, {FEATURES}); "
                             f"expected (3, {FEATURES}) (the forward's x)")
         assert after.shape == (3, FEATURES) and np.isfinite(after).all()
+
+
+def rank_full_params(comm):
+    """Rank r's experts have hidden size HIDDEN + r + index and are moved by 1000 (r + 1);
+    gathered, then spread again over one rank (a layer of every expert) and run."""
+    from gpucoll.ep import MoELayer
+
+    gate = np.random.default_rng(1).normal(size=(FEATURES, PER_RANK * comm.size))
+    rng = np.random.default_rng(20 + comm.rank)
+    mine = [(rng.normal(size=(FEATURES, HIDDEN + comm.rank + i)) + 1000.0 * (comm.rank + 1),
+             rng.normal(size=(HIDDEN + comm.rank + i, FEATURES))) for i in range(PER_RANK)]
+    layer = MoELayer(comm, gate, mine)
+    full_gate, experts = layer.full_params()
+    mixed = MoELayer(comm, gate, [(mine[0][0], mine[0][1].astype(np.float32))] + mine[1:])
+    return mine, full_gate, experts, _error(mixed.full_params)
+
+
+def test_full_params_gathers_every_expert_in_global_order(pool):
+    n = pool.world_size
+    results = pool.run(rank_full_params)
+    want = [pair for mine, _, _, _ in results for pair in mine]   # rank 0's experts first
+    gate = np.random.default_rng(1).normal(size=(FEATURES, PER_RANK * n))
+    for mine, full_gate, experts, mixed in results:
+        np.testing.assert_array_equal(full_gate, gate)
+        assert len(experts) == PER_RANK * n
+        for (w1, w2), (want1, want2) in zip(experts, want):
+            assert w1.shape == want1.shape and w2.shape == want2.shape
+            np.testing.assert_array_equal(w1, want1)
+            np.testing.assert_array_equal(w2, want2)
+        assert mixed == ("TypeError: MoELayer.full_params: the experts' weights must share one "
+                         "dtype; the ranks hold ['float32', 'float64']")

@@ -106,6 +106,36 @@ class MoELayer:
         """Gradients in the order of :attr:`params` (after :meth:`backward`)."""
         return [self.gate_grad] + [g for pair in self.expert_grads for g in pair]
 
+    def full_params(self) -> Tuple[Any, List[Tuple[Any, Any]]]:
+        """``(gate, experts)``: a copy of the gate and every expert of the model as
+        ``(w1, w2)`` in global order (rank 0's first), gathered from every rank: to save the
+        layer, or to spread the experts again over another number of ranks. Experts may
+        differ in hidden size. A collective: every rank of the group calls it.
+
+        Raises:
+            TypeError: the experts are not all of one dtype (on every rank, before the
+                weights move).
+        """
+        xp = self.xp
+        mine = [(int(w1.shape[1]), np.dtype(w1.dtype).name, np.dtype(w2.dtype).name)
+                for w1, w2 in self.experts]
+        layouts = self.comm.all_gather_object(mine)   # hidden sizes and dtypes of every rank
+        dtypes = sorted({name for layout in layouts for _, *names in layout for name in names})
+        if len(dtypes) > 1:
+            raise TypeError(f"MoELayer.full_params: the experts' weights must share one dtype; "
+                            f"the ranks hold {dtypes}")
+        flat = xp.concatenate([xp.ravel(w) for pair in self.experts for w in pair])
+        gathered, _ = self.comm.all_gather_v(flat)
+        features, experts, at = int(self.gate.shape[0]), [], 0
+        for layout in layouts:
+            for hidden, _, _ in layout:
+                size = features * hidden
+                w1 = gathered[at:at + size].reshape(features, hidden)
+                w2 = gathered[at + size:at + 2 * size].reshape(hidden, features)
+                experts.append((w1, w2))
+                at += 2 * size
+        return self.gate.copy(), experts
+
     def tokens_per_expert(self) -> List[int]:
         """How many tokens each of this rank's experts took in the last forward."""
         if self._saved is None:
