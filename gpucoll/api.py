@@ -192,6 +192,9 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
                              f"not {backend!r}")
 
     token = config.get("GPUCOLL_AUTH_TOKEN")
+    if not spec.needs_store and config.get("GPUCOLL_JOIN"):
+        raise ValueError(f"GPUCOLL_JOIN: backend {backend!r} cannot add ranks to a running job "
+                         f"(its communicators do not meet through gpucoll's store)")
     if store is None and not spec.needs_store:  # the backend rendezvouses itself (MPI)
         return spec.factory(None, rank, world_size, comm_id="world", token=token,
                             timeout=timeout, debug=config.get("GPUCOLL_DEBUG"),
@@ -206,8 +209,13 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     elif store is None:
         url = _resolve_url(url, env)
         store = _connect(url, rank, world_size, timeout, token)
-    generation = store.add(f"gpucoll/generation/{rank}", 1)
-    common = dict(comm_id=f"world{generation}", token=token, timeout=timeout,
+    joining = config.get("GPUCOLL_JOIN")
+    if joining:   # a replacement: its place comes from the members' grow()
+        admission = _admitted(store, rank, timeout, owns_store)
+        rank, world_size, comm_id = admission.rank, len(admission.world_ranks), admission.comm_id
+    else:
+        comm_id = f"world{store.add(f'gpucoll/generation/{rank}', 1)}"
+    common = dict(comm_id=comm_id, token=token, timeout=timeout,
                   debug=config.get("GPUCOLL_DEBUG"), owns_store=owns_store)
     log.info("rank %d of %d: backend %s, store %s, comm %s", rank, world_size, backend,
              url if owns_store else type(store).__name__, common["comm_id"])
@@ -219,9 +227,24 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         if isinstance(exc, CommTimeoutError):
             exc.add_limit(timeout)
         raise
+    if joining:
+        comm._world_ranks, comm.joined = admission.world_ranks, admission.joined
     if set_default:
         default_comm.set_default(comm)
     return comm
+
+
+def _admitted(store, world_rank: int, timeout: float, owns_store: bool):
+    """GPUCOLL_JOIN: wait for the members' ``grow()`` to admit this rank."""
+    from .rendezvous.joiners import request_to_join
+
+    log.info("world rank %d: asking to join the running job (GPUCOLL_JOIN)", world_rank)
+    try:
+        return request_to_join(store, world_rank, timeout)
+    except BaseException:
+        if owns_store:
+            store.close()
+        raise
 
 
 def _connect(url: str, rank: int, world_size: int, timeout: float, token: str):

@@ -33,7 +33,7 @@ _RUN_USAGE = "gpucoll run [options] (script.py | -m module | program) [args ...]
 # Launcher options that take a value; everything from the first other word on is the program.
 _RUN_VALUE_OPTIONS = frozenset({
     "-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-    "--timeout", "--min-ranks",
+    "--timeout", "--min-ranks", "--replace",
 })
 
 
@@ -77,6 +77,10 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run.add_argument("--min-ranks", dest="min_ranks", type=int, default=1, metavar="N",
                      help="with --elastic: stop the job when fewer than N ranks of this node "
                           "remain (default: 1)")
+    run.add_argument("--replace", type=int, default=0, metavar="N",
+                     help="with --elastic: start a new process in a lost rank's place, at most N "
+                          "times on this node; it joins when the survivors call comm.grow() "
+                          "(default: 0)")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
                      help="run a module, as python -m MODULE does, instead of a script")
     run.add_argument("--no-python", dest="no_python", action="store_true",
@@ -297,7 +301,7 @@ def _cmd_run(run_parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
         no_python=namespace.no_python,
         nnodes=namespace.nnodes, node_rank=namespace.node_rank, master_addr=namespace.master_addr,
         master_port=namespace.master_port, timeout=namespace.timeout,
-        elastic=namespace.elastic, min_ranks=namespace.min_ranks)
+        elastic=namespace.elastic, min_ranks=namespace.min_ranks, replace=namespace.replace)
     try:
         return run_job(cfg)
     except UsageError as exc:

@@ -62,6 +62,8 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         timeout: seconds a blocking call may wait.
         lost: on a communicator made by ``shrink()``, world rank -> why it was left out
             (e.g. "signal SIGKILL"); empty otherwise.
+        joined: on a communicator made by ``grow()`` (or joined through ``init()``), the
+            world ranks that came in; empty otherwise.
     """
 
     rank: int
@@ -72,6 +74,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
     memory: str = "host"
     timeout: float
     lost: Mapping[int, str] = MappingProxyType({})
+    joined: Tuple[int, ...] = ()
     _aborted: Optional[str] = None  # why the communicator was aborted (backends set it)
     _closed: bool = False
     _recorder: Any = flight_recorder.NOT_STARTED  # its flight recorder, made at the first op
@@ -450,6 +453,45 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
                                    f"call shrink() before close()")
         return self._shrink(self.timeout if timeout is None else float(timeout))
 
+    @traced(describe_nothing)
+    def grow(self, timeout: Optional[float] = None) -> "Communicator":
+        """A communicator of this one's ranks and every rank waiting to join the job, or this
+        communicator itself when none waits (the inverse of :meth:`shrink`).
+
+        Collective over this communicator; call it at a step boundary, every few steps. A
+        rank started to replace a lost one (``gpucoll run --elastic --replace N``, or any
+        process whose ``init()`` sees GPUCOLL_JOIN=1) waits in ``init()`` until the members
+        call ``grow()``. The new communicator orders its ranks by world rank, lists the
+        newcomers' world ranks in ``joined``, gets fresh connections and takes over the
+        store; this one stays usable until you ``close()`` it. Send the newcomers the state
+        they need (e.g. ``broadcast_parameters``) on the new one. Costs a few store round
+        trips when nobody waits.
+
+        Args:
+            timeout: seconds a member waits for rank 0's decision (default: the
+                communicator's timeout).
+
+        Raises:
+            CommAbortedError: the communicator is closed or aborted.
+            CommTimeoutError: rank 0 did not decide in time (it died: ``shrink()``).
+            UnsupportedOperationError: the backend cannot add ranks (MPI).
+
+        Example (rank 2 of 4 was lost and the launcher started its replacement)::
+
+            bigger = comm.grow()
+            if bigger is not comm:             # bigger.joined == (2,)
+                comm.close()
+                comm = bigger
+                broadcast_parameters(comm, params, root=0)
+        """
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if self.closed or self._aborted is not None:
+            raise CommAbortedError(f"rank {self.rank}: grow() on a closed or aborted "
+                                   f"communicator; shrink() first after a failure")
+        return self._grow(self.timeout if timeout is None else float(timeout))
+
     @abc.abstractmethod
     def abort(self) -> None:
         """Abort: fail every pending and future operation at once, close connections."""
@@ -543,3 +585,6 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
 
     def _shrink(self, timeout: float) -> "Communicator":
         return self._unsupported("shrink")
+
+    def _grow(self, timeout: float) -> "Communicator":
+        return self._unsupported("grow")

@@ -27,7 +27,9 @@ peer did): after such a failure the launcher waits up to ``ROOT_CAUSE_WAIT`` sec
 rank that started it. With ``elastic`` a rank that fails or is killed does not stop the others:
 the launcher records its death in the store (so ``comm.shrink()`` on the survivors need not
 wait for it), and the job succeeds when the survivors exit 0; it is stopped as above when
-fewer than ``min_ranks`` ranks remain. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
+fewer than ``min_ranks`` ranks remain. With ``replace`` it also starts a new process in the
+lost rank's place (same rank and local rank, GPUCOLL_JOIN=1), up to that many times on this
+node; its ``init()`` waits until the survivors call ``comm.grow()``. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
 the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124. A launcher
 killed outright (SIGKILL) cannot. Two layers stop its ranks then: its orphan reaper
 (:mod:`gpucoll.orphan_reaper`), a watcher it starts before the ranks, in a session of its own,
@@ -132,6 +134,7 @@ class _Job:
         self.ranks: List[_Rank] = []
         self.exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()  # (local rank, returncode)
         self.lost: List[_Rank] = []  # elastic: ranks that died while the others went on
+        self.replaced = 0   # elastic: processes started in lost ranks' places
         self.port = plan.port
         self.reaper: Optional[ReaperLink] = None  # started by run()
 
@@ -194,7 +197,7 @@ class _Job:
 
     # -- life cycle -----------------------------------------------------------------------
 
-    def _rank_env(self, port: int, local_rank: int) -> Dict[str, str]:
+    def _rank_env(self, port: int, local_rank: int, join: bool = False) -> Dict[str, str]:
         cfg, plan = self.cfg, self.plan
         env = dict(plan.base_env)
         env.update({
@@ -212,6 +215,8 @@ class _Job:
         })
         if self.limit_threads:
             env.update({name: "1" for name in THREAD_VARIABLES})
+        if join:
+            env["GPUCOLL_JOIN"] = "1"
         return env
 
     @property
@@ -227,24 +232,29 @@ class _Job:
         for local_rank in range(self.cfg.nproc):
             if trap.received:
                 return
-            proc = subprocess.Popen(
-                self.plan.command, env=self._rank_env(port, local_rank), stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-            if self.reaper is not None:  # before the wait thread below can reap it
-                self.reaper.register(proc.pid)
-            rank = _Rank(self.cfg.node_rank * self.cfg.nproc + local_rank, local_rank, proc)
-            self.ranks.append(rank)
-            prefix = f"[rank {rank.rank}] "
-            rank.threads = [
-                threading.Thread(target=self._pump, args=(proc.stdout, self.out, prefix, None),
-                                 name=f"gpucoll-rank{rank.rank}-stdout", daemon=True),
-                threading.Thread(target=self._pump, args=(proc.stderr, self.err, prefix, rank.stderr_tail),
-                                 name=f"gpucoll-rank{rank.rank}-stderr", daemon=True),
-            ]
-            for thread in rank.threads:
-                thread.start()
-            threading.Thread(target=self._watch, args=(rank,), name=f"gpucoll-rank{rank.rank}-wait",
-                             daemon=True).start()
+            self.ranks.append(self._start(port, local_rank))
+
+    def _start(self, port: int, local_rank: int, join: bool = False) -> _Rank:
+        """Start one rank's process, its reader threads and its wait thread."""
+        proc = subprocess.Popen(
+            self.plan.command, env=self._rank_env(port, local_rank, join),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True)
+        if self.reaper is not None:  # before the wait thread below can reap it
+            self.reaper.register(proc.pid)
+        rank = _Rank(self.cfg.node_rank * self.cfg.nproc + local_rank, local_rank, proc)
+        prefix = f"[rank {rank.rank}] "
+        rank.threads = [
+            threading.Thread(target=self._pump, args=(proc.stdout, self.out, prefix, None),
+                             name=f"gpucoll-rank{rank.rank}-stdout", daemon=True),
+            threading.Thread(target=self._pump, args=(proc.stderr, self.err, prefix, rank.stderr_tail),
+                             name=f"gpucoll-rank{rank.rank}-stderr", daemon=True),
+        ]
+        for thread in rank.threads:
+            thread.start()
+        threading.Thread(target=self._watch, args=(rank,), name=f"gpucoll-rank{rank.rank}-wait",
+                         daemon=True).start()
+        return rank
 
     def _record_exits(self, timeout: float) -> Optional[_Rank]:
         """Take one exit notice (waiting up to ``timeout``); return its rank, or None."""
@@ -319,7 +329,14 @@ class _Job:
         self.lost.append(rank)
         how = describe_exit(rank.returncode)
         publish_death_briefly(self.plan.master_addr, self.port, self.plan.token, rank.rank, how)
-        remaining = len(self.ranks) - len(self.lost)
+        if self.replaced < self.cfg.replace:
+            self.replaced += 1
+            self.ranks[rank.local_rank] = self._start(self.port, rank.local_rank, join=True)
+            self.say(f"rank {rank.rank} lost ({how}); started a process in its place "
+                     f"(replacement {self.replaced} of {self.cfg.replace}), which joins when "
+                     f"the others call comm.grow() (--elastic --replace)")
+            return True
+        remaining = len(self._alive())
         if remaining < self.cfg.min_ranks:
             self.say(f"rank {rank.rank} lost ({how}); {remaining} rank(s) left, fewer than "
                      f"--min-ranks {self.cfg.min_ranks}: stopping the job")
@@ -441,8 +458,10 @@ class _Job:
             if outcome == "ok":
                 if self.lost:
                     lost = ", ".join(f"{r.rank} ({describe_exit(r.returncode)})" for r in self.lost)
-                    self.say(f"elastic job finished: {len(self.ranks) - len(self.lost)} of "
-                             f"{len(self.ranks)} ranks exited 0; lost rank(s) {lost}")
+                    finished = sum(r.returncode == 0 for r in self.ranks)
+                    started = f"; {self.replaced} replacement(s) started" if self.replaced else ""
+                    self.say(f"elastic job finished: {finished} of {len(self.ranks)} ranks "
+                             f"exited 0; lost rank(s) {lost}{started}")
                 return 0
             if outcome == "failed":
                 assert failed is not None and failed.returncode is not None

@@ -45,6 +45,8 @@ class LaunchConfig:
         stderr: where prefixed rank stderr lines and launcher messages go (None: ``sys.stderr``).
         elastic: a rank that dies does not stop the others (see the module doc).
         min_ranks: with ``elastic``, stop the job when fewer of this node's ranks remain.
+        replace: with ``elastic``, start a new process in a lost rank's place, at most this
+            many times on this node; it joins the survivors when they call ``comm.grow()``.
         orphan_reaper: start the watcher that stops the ranks' process groups if this
             launcher is killed (:mod:`gpucoll.orphan_reaper`); False only to measure its cost.
     """
@@ -65,6 +67,7 @@ class LaunchConfig:
     stderr: Optional[TextIO] = None
     elastic: bool = False
     min_ranks: int = 1
+    replace: int = 0
     orphan_reaper: bool = True
 
 
@@ -112,6 +115,8 @@ def plan_launch(cfg: LaunchConfig) -> Plan:
     min_ranks = need_int("min_ranks", cfg.min_ranks, 1)
     if min_ranks != 1 and not cfg.elastic:
         raise UsageError("--min-ranks applies to elastic jobs only: add --elastic")
+    if need_int("replace", cfg.replace, 0) and not cfg.elastic:
+        raise UsageError("--replace applies to elastic jobs only: add --elastic")
     if min_ranks > nproc:
         raise UsageError(f"min_ranks={min_ranks} is more than the {nproc} ranks of this node")
     if not cfg.kill_grace >= 0:

@@ -38,6 +38,7 @@ from ..rendezvous.store import PrefixStore, Store
 from ..transports.base import Frame, Recv
 from ..rendezvous import hosts
 from ..rendezvous.survivors import agree_on_survivors
+from .growing import grow_communicator
 from ..transports import select as select_transport
 from ..transports import shm
 from ..transports.base import OP_CODES
@@ -483,6 +484,12 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
         self._owns_store = False  # the new communicator closes the store now
         child.lost = {self.to_world(r): why for r, why in agreed.lost.items()}
         return self._child(child, members)
+
+    def _grow(self, timeout: float) -> "CPUCommunicator":
+        """Agree with the members on who joins; a fresh socket mesh with them (if any)."""
+        return grow_communicator(self, timeout, lambda comm_id, rank, size: CPUCommunicator(
+            self._root_store, rank, size, comm_id=comm_id, token=self._token,
+            timeout=self.timeout, owns_store=False, **self._settings))
 
     def abort(self) -> None:
         """Abort at once: pending and later operations raise ``CommAbortedError``."""
