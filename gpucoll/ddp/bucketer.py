@@ -10,6 +10,8 @@ back, optional loss-scale unscaling and non-finite check) into the gradient arra
 
 Buckets are always issued in bucket order, whatever order gradients arrive in, so every rank
 issues the same collectives in the same order. Only the ``Communicator`` interface is used.
+A comm hook (``comm_hook=``, e.g. ``PowerSGD``; see ``comm_hook.py``) can replace the packed
+all-reduce: it is handed each bucket as it fills and completes the step in ``finish()``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from .. import kernels
 from ..hostarrays import array_module as _array_module, host_view
+from .comm_hook import CommHook
 
 __all__ = ["Bucketer", "broadcast_parameters", "plan_buckets"]
 
@@ -112,6 +115,10 @@ class Bucketer:
             rank out of batches calls :meth:`join`, which takes part in the others' steps
             with zero gradients until every rank has joined. Averages still divide by the
             world size, so every sample weighs the same (torch's default).
+        comm_hook: a :class:`~gpucoll.ddp.comm_hook.CommHook` (e.g. ``PowerSGD``) that sends
+            each bucket instead of the packed all-reduce (torch's ``register_comm_hook``):
+            called as each bucket fills and in ``finish()``. It decides what travels, so not
+            with ``compression``, ``average=False`` or ``uneven_inputs``; ``no_sync`` works.
 
     Example (two ranks)::
 
@@ -123,12 +130,16 @@ class Bucketer:
 
     def __init__(self, comm, params: Sequence[Any], *, bucket_cap_bytes: int = 25 * MiB,
                  first_bucket_cap_bytes: int = 1 * MiB, compression: Optional[str] = None,
-                 average: bool = True, uneven_inputs: bool = False):
+                 average: bool = True, uneven_inputs: bool = False,
+                 comm_hook: Optional[CommHook] = None):
         if compression not in _COMPRESSION:
             raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}")
         if bucket_cap_bytes <= 0 or first_bucket_cap_bytes <= 0:
             raise ValueError(f"bucket caps must be positive, got {bucket_cap_bytes} and "
                              f"{first_bucket_cap_bytes}")
+        if comm_hook is not None:
+            _check_hook_settings(comm_hook, compression, average, uneven_inputs)
+        self.comm_hook = comm_hook
         self.comm = comm
         self.compression = _COMPRESSION[compression]
         self.average = average
@@ -151,6 +162,8 @@ class Bucketer:
             self._flag_at = self._buckets[0].length
             self._buckets[0].length += 1
         self._like = params[0] if params else None   # where join() allocates
+        if comm_hook is not None:
+            comm_hook.attach(comm, plan, self.shapes, self.dtypes)
         self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
         self._grads: List[Any] = [None] * len(self.shapes)
         self._callers: List[Any] = [None] * len(self.shapes)
@@ -198,6 +211,9 @@ class Bucketer:
                             f"{self.dtypes[index]}")
         if self._grads[index] is not None:
             raise ValueError(f"gradient {index} was already marked ready in this step")
+        if self.comm_hook is not None and not grad.flags.c_contiguous:
+            raise ValueError(f"gradient {index} must be C-contiguous (the comm hook writes "
+                             f"the average into it)")
         self._grads[index] = grad
         self._callers[index] = caller
         if self._accumulating:
@@ -217,6 +233,10 @@ class Bucketer:
             if bucket.ready < len(bucket.members):
                 return
             grads = [self._grads[i] for i in bucket.members]
+            if self.comm_hook is not None:
+                self.comm_hook.issue(self._next_issue, grads)
+                self._next_issue += 1
+                continue
             if bucket.buffer is None:  # gaps between arrays stay 0
                 bucket.buffer = _zeros_beside(grads[0], bucket.length, bucket.wire_dtype)
             prescale = (1.0 / self.comm.size if self.average and bucket.wire_dtype != bucket.dtype
@@ -242,7 +262,8 @@ class Bucketer:
             The gradient arrays in registration order (inside ``no_sync``: unchanged).
 
         Raises:
-            ValueError: some gradients were never marked ready (listed).
+            ValueError: some gradients were never marked ready (listed); ``loss_scale`` or
+                ``check_finite`` with a comm hook. The step is abandoned on every rank.
         """
         grads = self._grads
         missing = [i for i, grad in enumerate(grads) if grad is None]
@@ -260,17 +281,25 @@ class Bucketer:
             self._reset(wait=False)
             return callers
         check = (loss_scale is not None) if check_finite is None else check_finite
+        if self.comm_hook is not None and (loss_scale is not None or check):
+            self._reset(wait=True)
+            raise ValueError(f"finish(loss_scale={loss_scale!r}, check_finite={check_finite!r})"
+                             f": a Bucketer with a comm hook neither unscales nor checks; "
+                             f"unscale before mark_ready (this step was abandoned)")
         self.found_inf = _zeros_beside(grads[0] if grads else None, 1, np.int32) if check \
             else None
         try:
             self._issue_ready()
-            for bucket in self._buckets:
-                bucket.work.wait()
-                postscale = (1.0 / self.comm.size if self.average and
-                             bucket.wire_dtype == bucket.dtype else 1.0)
-                kernels.unpack(bucket.buffer, [grads[i] for i in bucket.members],
-                               offsets=bucket.offsets, scale=postscale, loss_scale=loss_scale,
-                               found_inf=self.found_inf)
+            if self.comm_hook is not None:
+                self.comm_hook.finish()        # results land in the arrays it was given
+            else:
+                for bucket in self._buckets:
+                    bucket.work.wait()
+                    postscale = (1.0 / self.comm.size if self.average and
+                                 bucket.wire_dtype == bucket.dtype else 1.0)
+                    kernels.unpack(bucket.buffer, [grads[i] for i in bucket.members],
+                                   offsets=bucket.offsets, scale=postscale,
+                                   loss_scale=loss_scale, found_inf=self.found_inf)
         finally:
             callers = self._callers
             self._reset(wait=True)
@@ -346,6 +375,8 @@ class Bucketer:
         return self.finish(**finish_kwargs)
 
     def _reset(self, wait: bool) -> None:
+        if wait and self.comm_hook is not None:
+            self.comm_hook.cancel()    # a step the hook finished is not cancelled
         for bucket in self._buckets:
             if wait and bucket.work is not None:
                 try:
@@ -357,6 +388,22 @@ class Bucketer:
         self._grads = [None] * len(self.shapes)
         self._callers = [None] * len(self.shapes)  # what mark_ready was given (finish returns it)
         self._next_issue = 0
+
+
+def _check_hook_settings(comm_hook: Any, compression: Optional[str], average: bool,
+                         uneven_inputs: bool) -> None:
+    """A comm hook decides what travels and how it is reduced: refuse what contradicts it."""
+    if not isinstance(comm_hook, CommHook):
+        raise TypeError(f"comm_hook must be a gpucoll.ddp CommHook (e.g. PowerSGD), got "
+                        f"{type(comm_hook).__name__}")
+    if _COMPRESSION[compression] is not None:
+        raise ValueError(f"compression={compression!r} and a comm hook: the hook decides what "
+                         f"travels (PowerSGD sends float32/float64 low-rank factors)")
+    if not average:
+        raise ValueError("average=False and a comm hook: the hook returns averages")
+    if uneven_inputs:
+        raise ValueError("uneven_inputs=True and a comm hook: join() cannot shadow the hook's "
+                         "collectives")
 
 
 def broadcast_parameters(comm, params: Sequence[Any], root: int = 0, *,
