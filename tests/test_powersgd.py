@@ -6,7 +6,7 @@ averaging before ``start_step`` and for vectors; the bytes it sends; usage error
 import numpy as np
 import pytest
 
-from gpucoll.ddp import PowerSGD
+from gpucoll.ddp import Bucketer, PowerSGD
 from mp_harness import RankPool, error_text, rank_pools
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,10 +29,10 @@ def gram_schmidt(matrix):
     return out
 
 
-def simulate(size, steps, rank, start_step):
+def simulate(size, steps, rank, start_step, error_feedback=True):
     """Every rank's gradients after each step, in float64, by the algorithm of Vogels et al.
     with torch's choices (Q from a seeded normal draw, orthogonalized; Q kept between steps;
-    error feedback of each rank's own residual)."""
+    error feedback of each rank's own residual, unless turned off)."""
     rng = np.random.default_rng(0)
     matrices = [i for i, s in enumerate(SHAPES) if len(s) >= 2]
     dims = {i: (SHAPES[i][0], int(np.prod(SHAPES[i][1:]))) for i in matrices}
@@ -52,7 +52,7 @@ def simulate(size, steps, rank, start_step):
                 q[i] = sum(m.T @ p for m in local) / size
                 approx = p @ q[i].T
                 for r in range(size):
-                    error[(r, i)] = local[r] - approx
+                    error[(r, i)] = local[r] - approx if error_feedback else 0
                     out[r][i] = approx.reshape(SHAPES[i])
         history.append(out)
     return history
@@ -175,3 +175,171 @@ def test_the_digits_example_trains_as_well_compressed():
         accuracy[bool(extra)] = float(found[0])
     assert accuracy[False] > 0.95
     assert abs(accuracy[True] - accuracy[False]) <= 0.02, accuracy
+
+
+# ---------------------------------------------------------------- as a Bucketer's comm hook
+PLANS = {"one bucket": (25 << 20, 1 << 20), "two buckets": (1000, 500),
+         "one tensor each": (1, 1)}
+
+
+class Recording:
+    """A communicator that logs every all-reduce it passes on (``("issue", n, elements)``)
+    and every wait of one (``("wait", n)``): what was sent when, without timing anything."""
+
+    def __init__(self, comm):
+        self.comm, self.log = comm, []
+        self.rank, self.size = comm.rank, comm.size
+
+    def all_reduce(self, x, op="sum", *, out=None, async_op=False):
+        number = sum(1 for entry in self.log if entry[0] == "issue")
+        self.log.append(("issue", number, int(x.size)))
+        work = self.comm.all_reduce(x, op, out=out, async_op=async_op)
+        if not async_op:
+            self.log.append(("wait", number))
+            return work
+        return RecordedWork(work, self.log, number)
+
+
+class RecordedWork:
+    def __init__(self, work, log, number):
+        self.work, self.log, self.number = work, log, number
+
+    def wait(self, timeout=None):
+        self.log.append(("wait", self.number))
+        return self.work.wait(timeout)
+
+
+def bucketed(comm, params, plan, **settings):
+    cap, first_cap = PLANS[plan]
+    return Bucketer(comm, params, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap,
+                    comm_hook=PowerSGD(comm, params, **settings))
+
+
+def rank_compress_bucketed(comm, steps, rank, start_step, error_feedback):
+    """Each plan's bucketed history, and PowerSGD.reduce's on the same gradients."""
+    params = [np.zeros(s, np.float32) for s in SHAPES]
+    settings = dict(rank=rank, start_step=start_step, min_compression=0.1,
+                    error_feedback=error_feedback)
+    compressor = PowerSGD(comm, params, **settings)
+    bucketers = {plan: bucketed(comm, params, plan, **settings) for plan in PLANS}
+    histories = {plan: [] for plan in ["reduce", *PLANS]}
+    for step in range(1, steps + 1):
+        histories["reduce"].append(compressor.reduce(grads_of(comm.rank, step)))
+        for plan, bucketer in bucketers.items():
+            grads = grads_of(comm.rank, step)
+            returned = bucketer.reduce(grads)
+            assert all(a is b for a, b in zip(returned, grads))        # in place
+            histories[plan].append(grads)
+    return histories, {plan: b.buckets for plan, b in bucketers.items()}
+
+
+@pytest.mark.parametrize("error_feedback", [True, False], ids=["feedback", "no-feedback"])
+def test_bucketed_steps_equal_reduce_and_the_simulation(pool, error_feedback):
+    n, steps, start, rank = pool.world_size, 4, 2, 2
+    want = simulate(n, steps, rank, start, error_feedback)
+    results = pool.run(rank_compress_bucketed, steps, rank, start, error_feedback)
+    assert results[0][1] == {"one bucket": [[3, 2, 1, 0]], "two buckets": [[3, 2], [1, 0]],
+                             "one tensor each": [[3], [2], [1], [0]]}
+    for r, (histories, _) in enumerate(results):
+        for plan in PLANS:
+            for step in range(steps):
+                for i, (got, reference) in enumerate(zip(histories[plan][step],
+                                                         histories["reduce"][step])):
+                    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6,
+                                               err_msg=f"{plan}, step {step + 1}, grad {i}")
+                    np.testing.assert_allclose(got, want[step][r][i], rtol=2e-4, atol=2e-5)
+
+
+def test_p_is_sent_during_backward_and_every_q_before_any_wait(solo):
+    comm = Recording(solo)
+    bucketer = bucketed(comm, [np.zeros(s, np.float32) for s in SHAPES], "two buckets",
+                        rank=2, start_step=1, min_compression=0.1)
+    for step in (1, 2):                 # exact, then compressed
+        comm.log.clear()
+        grads = grads_of(0, step)
+        for index, sent in [(3, 0), (2, 1), (1, 1), (0, 2)]:   # backward: last layer first
+            bucketer.mark_ready(index, grads[index])
+            assert len(comm.log) == sent, (step, index, comm.log)
+        issued = list(comm.log)
+        bucketer.finish()
+        finished = comm.log[len(issued):]
+        if step == 1:                   # each bucket whole, as the plain Bucketer sends it
+            assert [e[2] for e in issued] == [8 + 16 * 4 * 3, 16 + 24 * 16]
+            assert finished == [("wait", 0), ("wait", 1)]
+            continue
+        # P (16x12 and 24x16 at rank 2) with the plain vectors (5 and 16 floats; 4-aligned)
+        assert [e[2] for e in issued] == [16 * 2 + 8, 24 * 2 + 16]
+        assert finished == [("wait", 0), ("issue", 2, 12 * 2), ("wait", 1),
+                            ("issue", 3, 16 * 2), ("wait", 2), ("wait", 3)]
+
+
+def test_no_sync_accumulates_then_compresses_the_sum(solo):
+    comm = Recording(solo)
+    params = [np.zeros(s, np.float32) for s in SHAPES]
+    bucketer = bucketed(comm, params, "two buckets", rank=2, start_step=1, min_compression=0.1)
+    reference = PowerSGD(solo, params, rank=2, start_step=1, min_compression=0.1)
+    for step in (1, 2, 3):              # two micro-batches each: the first accumulates
+        with bucketer.no_sync():
+            bucketer.reduce(grads_of(0, 10 + step))
+        assert comm.log == []           # nothing sent inside no_sync
+        got = bucketer.reduce(grads_of(0, step))
+        comm.log.clear()
+        want = reference.reduce([a + b for a, b in zip(grads_of(0, 10 + step),
+                                                       grads_of(0, step))])
+        for i, (g, w) in enumerate(zip(got, want)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"step {step}, {i}")
+
+
+@pytest.mark.parametrize("abandon", ["loss_scale", "check_finite", "missing gradient"])
+def test_an_abandoned_step_leaves_no_trace(solo, abandon):
+    """The refused finish() raises, and the next steps equal those of a PowerSGD that never
+    saw the abandoned ones: before step 2 (still exact: were it counted, step 2 would
+    compress) and before step 4 (compressing: error feedback's addition is undone)."""
+    params = [np.zeros(s, np.float32) for s in SHAPES]
+    bucketer = bucketed(solo, params, "two buckets", rank=2, start_step=2, min_compression=0.1)
+    reference = PowerSGD(solo, params, rank=2, start_step=2, min_compression=0.1)
+    for step in (1, 2, 3, 4, 5):
+        if step in (2, 4):
+            grads = grads_of(0, 99)
+            for index in (3, 2, 1) if abandon == "missing gradient" else (3, 2, 1, 0):
+                bucketer.mark_ready(index, grads[index])
+            kwargs = {"loss_scale": {"loss_scale": 2.0}, "check_finite": {"check_finite": True},
+                      "missing gradient": {}}[abandon]
+            words = "were not marked ready" if kwargs == {} else "neither unscales nor checks"
+            with pytest.raises(ValueError, match=words):
+                bucketer.finish(**kwargs)
+            np.testing.assert_array_equal(grads[0], grads_of(0, 99)[0])    # untouched
+        got = bucketer.reduce(grads_of(0, step))
+        want = reference.reduce(grads_of(0, step))
+        for i, (g, w) in enumerate(zip(got, want)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"step {step}, {i}")
+
+
+def test_comm_hook_usage_errors(solo):
+    comm = Recording(solo)
+    params = [np.zeros(s, np.float32) for s in SHAPES]
+    hook = PowerSGD(comm, params)
+    for kwargs, words in [({"compression": "bf16"}, "compression='bf16' and a comm hook"),
+                          ({"compression": "fp16"}, "compression='fp16' and a comm hook"),
+                          ({"average": False}, "average=False and a comm hook"),
+                          ({"uneven_inputs": True}, "uneven_inputs=True and a comm hook")]:
+        with pytest.raises(ValueError, match=words):
+            Bucketer(comm, params, comm_hook=hook, **kwargs)
+    with pytest.raises(TypeError, match="comm_hook must be a gpucoll.ddp CommHook"):
+        Bucketer(comm, params, comm_hook=lambda bucket: None)
+    with pytest.raises(ValueError, match="must share one communicator"):
+        Bucketer(solo, params, comm_hook=hook)
+    with pytest.raises(ValueError, match="shapes"):
+        Bucketer(comm, params[:2], comm_hook=hook)
+    with pytest.raises(TypeError, match=r"dtypes \['float64'\]"):
+        Bucketer(comm, [p.astype(np.float64) for p in params], comm_hook=hook)
+    bucketer = Bucketer(comm, params, comm_hook=hook)
+    with pytest.raises(ValueError, match="already the comm hook of a Bucketer"):
+        Bucketer(comm, params, comm_hook=hook)
+    with pytest.raises(ValueError, match="runs? through bucketer.mark_ready"):
+        hook.reduce(params)
+    with pytest.raises(ValueError, match="gradient 2 must be C-contiguous"):
+        bucketer.mark_ready(2, np.zeros((16, 3, 4), np.float32).transpose(0, 2, 1))
+    with pytest.raises(RuntimeError, match="join"):
+        bucketer.join()
+    assert comm.log == []               # every refusal came before anything was sent
