@@ -7,7 +7,7 @@ Run with::
     python -m gpucoll.examples.train_digits          # one process
     gpucoll run -n 4 --elastic -m gpucoll.examples.train_digits --elastic   # survives a lost rank
     gpucoll run -n 4 -m gpucoll.examples.train_digits --zero --checkpoint-dir ckpt   # resumable
-    gpucoll run -n 2 -m gpucoll.examples.train_digits --powersgd 2   # compressed gradients
+    gpucoll run -n 2 -m gpucoll.examples.train_digits --powersgd 2   # low-rank gradients
 
 Forward and backward are written with the array module: CuPy when it is installed and a GPU
 is present (``--cpu`` forces NumPy), NumPy otherwise. Each rank takes a disjoint shard of every
@@ -17,7 +17,9 @@ global loss and the train / test accuracy per epoch. ``--zero`` replaces the Buc
 the local optimizer with the ``ShardedOptimizer`` (ZeRO-1: reduce-scatter, update this rank's
 shard, all-gather), and prints the optimizer state each rank holds. ``--loss-scaling`` scales
 the loss with a ``DynamicLossScaler`` and skips steps whose gradients overflowed. The dataset
-ships with scikit-learn (no download): ``pip install 'gpucoll[examples]'``.
+ships with scikit-learn (no download): ``pip install 'gpucoll[examples]'``. ``--powersgd R``
+makes the Bucketer send rank-R PowerSGD approximations (``comm_hook=PowerSGD(...)``): each
+bucket's P goes out during backward as the plain buckets do.
 
 With ``--elastic``, a rank that dies mid-epoch does not end the run: the survivors catch the
 error, ``comm.shrink()`` to the ranks still alive, take the newest replicated state (data
@@ -233,32 +235,24 @@ class _Shard:
         self.comm = comm
         self.local_batch = args.batch_size // comm.size
         self.sampler = DistributedSampler(dataset_size, comm, seed=args.seed, drop_last=True)
-        self.zero = self.bucketer = self.powersgd = None
-        if args.powersgd:
-            self.powersgd = PowerSGD(comm, params, rank=args.powersgd, start_step=10)
-            self._grads: List[Any] = [None] * len(params)
-            self.hook, self.buckets = self._grads.__setitem__, 0   # kept until step()
-        elif args.zero:
+        self.zero = self.bucketer = None
+        if args.zero:
             self.zero = ShardedOptimizer(comm, params, args.optimizer,
                                          first_bucket_cap_bytes=64 << 10,
                                          **_optimizer_settings(args))
             self.hook, self.buckets = self.zero.mark_ready, len(self.zero.buckets)
         else:
+            powersgd = PowerSGD(comm, params, rank=args.powersgd, start_step=10) \
+                if args.powersgd else None     # each bucket's P is sent during backward
             self.bucketer = Bucketer(comm, params, first_bucket_cap_bytes=64 << 10,
                                      compression=None if args.compression == "none" else
-                                     args.compression)
+                                     args.compression, comm_hook=powersgd)
             self.hook, self.buckets = self.bucketer.mark_ready, len(self.bucketer.buckets)
 
     def step(self, params, optimizer, scaler) -> None:
         """Average the gradients and update the weights (skipped when the scaler says so)."""
         if self.zero is not None:
             self.zero.step(scaler=scaler)
-            return
-        if self.powersgd is not None:     # after backward: it does not overlap with it
-            grads = self.powersgd.reduce(list(self._grads))
-            self._grads[:] = [None] * len(params)
-            for index, (param, grad) in enumerate(zip(params, grads)):
-                optimizer.update(index, param, grad)
             return
         grads = self.bucketer.finish(loss_scale=scaler.scale if scaler else None)
         if scaler is None or scaler.update(self.bucketer.found_nonfinite()):
@@ -336,8 +330,8 @@ def main(argv=None) -> int:
     if args.zero and args.compression != "none":
         parser.error("--compression applies to the Bucketer, not to --zero")
     if args.powersgd and (args.zero or args.compression != "none" or args.loss_scaling):
-        parser.error("--powersgd replaces the Bucketer's averaging: not with --zero, "
-                     "--compression or --loss-scaling")
+        parser.error("--powersgd is the Bucketer's comm hook (it sends each bucket): not "
+                     "with --zero, --compression or --loss-scaling")
     if args.checkpoint_dir and not args.zero:
         parser.error("--checkpoint-dir saves the sharded state of --zero")
     if args.checkpoint_every < 1:
