@@ -20,6 +20,17 @@ directions of the link limited to RATE by a tbf qdisc (e.g. ``1gbit``), and prin
 table:
 
     python bench/bench_powersgd.py --test-hosts 1gbit [--width 2048] [--layers 2]
+
+``--overlap`` times whole training steps instead: backward is simulated, last layer first, by
+a fixed NumPy matmul per layer (``--batch`` x width times width x width, the cost of a layer's
+weight gradient) after which the layer's gradients are marked ready. Per step: the plain
+``Bucketer`` (exact, buckets sent during backward), ``PowerSGD.reduce`` after backward, and the
+``Bucketer`` with PowerSGD as its comm hook (each bucket's P sent during backward), beside the
+compute alone. The methods take turns, step by step; the median step of each (slowest rank),
+and the ratios of those medians, measured in the same run:
+
+    OPENBLAS_NUM_THREADS=1 gpucoll run -n 2 bench/bench_powersgd.py --overlap [--batch 256]
+    python bench/bench_powersgd.py --test-hosts 1gbit --overlap --layers 2
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import statistics
 import time
 from pathlib import Path
 
@@ -62,6 +74,67 @@ def best_time(comm, call, repeat: int, prepare=lambda attempt: None) -> float:
     return best
 
 
+def simulated_backward(activations, weights, scratch, grads, mark_ready=None) -> None:
+    """Backward's compute, last layer first: one matmul per layer (into ``scratch``), then
+    that layer's gradients are ready (bias, then weight, as backward produces them)."""
+    for layer in reversed(range(len(weights))):
+        np.matmul(activations, weights[layer], out=scratch)
+        if mark_ready is not None:
+            mark_ready(2 * layer + 1, grads[2 * layer + 1])
+            mark_ready(2 * layer, grads[2 * layer])
+
+
+def overlap_steps(comm, args) -> None:
+    """The ``--overlap`` table: whole steps with simulated backward compute (module doc)."""
+    n = comm.size
+    shapes = [g.shape for g in gradients(args.width, args.layers, 0, 0)]
+    params = [np.zeros(s, np.float32) for s in shapes]
+    rng = np.random.default_rng(comm.rank)
+    activations = rng.standard_normal((args.batch, args.width), dtype=np.float32)
+    weights = [rng.standard_normal((args.width, args.width), dtype=np.float32) * 0.01
+               for _ in range(args.layers)]
+    scratch = np.empty_like(activations)
+    fresh = [gradients(args.width, args.layers, comm.rank, s) for s in range(args.repeat + 1)]
+    caps = dict(bucket_cap_bytes=int(args.bucket_cap_mib * 2**20),
+                first_bucket_cap_bytes=min(1 << 20, int(args.bucket_cap_mib * 2**20)))
+    bucketer = Bucketer(comm, params, **caps)
+    methods = {"compute only": lambda g: simulated_backward(activations, weights, scratch, g),
+               "bucketer exact": lambda g: (
+                   simulated_backward(activations, weights, scratch, g, bucketer.mark_ready),
+                   bucketer.finish())}
+    for rank in (int(r) for r in args.ranks.split(",")):
+        compressor = PowerSGD(comm, params, rank=rank, start_step=0)
+        hooked = Bucketer(comm, params, **caps,
+                          comm_hook=PowerSGD(comm, params, rank=rank, start_step=0))
+        methods[f"psgd {rank} after bwd"] = lambda g, c=compressor: (
+            simulated_backward(activations, weights, scratch, g), c.reduce(g))
+        methods[f"psgd {rank} bucketed"] = lambda g, b=hooked: (
+            simulated_backward(activations, weights, scratch, g, b.mark_ready), b.finish())
+    times = {name: [] for name in methods}
+    for attempt in range(args.repeat + 1):            # the first round is the warm-up
+        for name, step in methods.items():
+            given = [g.copy() for g in fresh[attempt]]
+            comm.barrier()
+            start = time.perf_counter()
+            step(given)
+            slowest = max(comm.all_gather_object(time.perf_counter() - start))
+            if attempt:
+                times[name].append(slowest)
+    if comm.rank == 0:
+        median = {name: statistics.median(t) for name, t in times.items()}
+        print(f"# whole steps, {n} ranks (CPU backend), {args.layers} layers of "
+              f"{args.width}x{args.width} float32 + biases, backward simulated by a "
+              f"{args.batch}x{args.width} @ {args.width}x{args.width} matmul per layer; "
+              f"{len(bucketer.buckets)} bucket(s); median of {args.repeat} steps, slowest rank")
+        print(f"# {'method':>20} {'ms/step':>8} {'min':>7} {'max':>7} {'vs exact':>9} "
+              f"{'comm. beyond compute':>21}")
+        for name, seconds in median.items():
+            beyond = seconds - median["compute only"]
+            print(f"  {name:>20} {seconds * 1e3:>8.1f} {min(times[name]) * 1e3:>7.1f} "
+                  f"{max(times[name]) * 1e3:>7.1f} {median['bucketer exact'] / seconds:>8.2f}x "
+                  f"{beyond * 1e3:>18.1f} ms", flush=True)
+
+
 def on_test_hosts(args) -> None:
     """The job on two namespace hosts, one rank each, over a rate-limited link."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -80,7 +153,9 @@ def on_test_hosts(args) -> None:
                        "gpucoll", "run", "-n", "1", "--nnodes", "2", "--node-rank", str(k),
                        "--master-addr", hosts.addrs[0], "--master-port", "29500", "--timeout",
                        "1200", __file__, "--width", str(args.width), "--layers",
-                       str(args.layers), "--ranks", args.ranks, "--repeat", str(args.repeat)],
+                       str(args.layers), "--ranks", args.ranks, "--repeat", str(args.repeat),
+                       *(["--overlap", "--batch", str(args.batch), "--bucket-cap-mib",
+                           str(args.bucket_cap_mib)] if args.overlap else [])],
             env, timeout=1300, cwd=str(ROOT))
         print(f"# two test hosts, one rank each, link limited to {args.test_hosts} each way")
         for line in outputs[0].splitlines():
@@ -95,11 +170,21 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--test-hosts", metavar="RATE",
                         help="run on two namespace test hosts over a link of RATE")
+    parser.add_argument("--overlap", action="store_true",
+                        help="time whole steps with simulated backward compute (module doc)")
+    parser.add_argument("--batch", type=int, default=256,
+                        help="--overlap: rows of each layer's simulated backward matmul")
+    parser.add_argument("--bucket-cap-mib", type=float, default=25.0,
+                        help="--overlap: the Bucketers' bucket cap (first bucket: 1 MiB)")
     args = parser.parse_args()
     if args.test_hosts:
         on_test_hosts(args)
         return
     comm = gc.init(backend="cpu")
+    if args.overlap:
+        overlap_steps(comm, args)
+        comm.close()
+        return
     n = comm.size
     shapes = [g.shape for g in gradients(args.width, args.layers, 0, 0)]
     params = [np.zeros(s, np.float32) for s in shapes]
