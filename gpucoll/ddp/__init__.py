@@ -13,7 +13,8 @@
 * :func:`clip_grad_norm` - clip to a global gradient norm, replicated or sharded (all-reduced);
   ``step(max_norm=...)`` of both sharded classes does it between averaging and the update.
 * :class:`PowerSGD` - low-rank gradient compression with error feedback (torch's
-  ``powerSGD_hook``): two small all-reduces instead of one of every element.
+  ``powerSGD_hook``): two small all-reduces instead of one of every element; after backward,
+  or per bucket during it as a Bucketer's :class:`CommHook` (``Bucketer(..., comm_hook=)``).
 * :class:`SGD`, :class:`Adam` - element-wise optimizers written with the array module.
 * :class:`DynamicLossScaler` - mixed-precision loss scaling: skip on overflow on every rank
   together, back off, grow after clean steps.
@@ -27,6 +28,7 @@ Importing this package never imports CuPy.
 from .bucketer import Bucketer, broadcast_parameters, plan_buckets
 from .checkpoint import CheckpointError
 from .clipping import clip_grad_norm, global_grad_norm
+from .comm_hook import CommHook
 from .powersgd import PowerSGD
 from .checkpoint_files import checkpoint_exists
 from .loss_scaler import DynamicLossScaler
@@ -39,6 +41,6 @@ from .sync_bn import SyncBatchNorm, sync_batch_stats
 
 __all__ = ["Bucketer", "broadcast_parameters", "plan_buckets", "ShardedOptimizer",
            "FullyShardedParameters", "CheckpointError", "checkpoint_exists",
-           "clip_grad_norm", "global_grad_norm", "PowerSGD", "SGD", "Adam",
+           "clip_grad_norm", "global_grad_norm", "PowerSGD", "CommHook", "SGD", "Adam",
            "make_optimizer", "DynamicLossScaler", "DistributedSampler", "all_reduce_metrics",
            "sync_batch_stats", "SyncBatchNorm"]
