@@ -1,7 +1,10 @@
 """PowerSGD compression: at full rank it is the exact average (NumPy's mean of the ranks'
 gradients); at low rank every step equals a one-process NumPy simulation of the algorithm
 (power iteration with Gram-Schmidt, warm start, error feedback), on 2 and 3 ranks; exact
-averaging before ``start_step`` and for vectors; the bytes it sends; usage errors."""
+averaging before ``start_step`` and for vectors; the bytes it sends; usage errors. As a
+Bucketer's comm hook: the same steps as ``reduce`` and the simulation under several bucket
+plans, what is sent during backward and in which order (a logging communicator, no timing),
+``no_sync``, abandoned steps, and the combinations it refuses."""
 
 import numpy as np
 import pytest
