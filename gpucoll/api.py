@@ -238,9 +238,11 @@ def _admitted(store, world_rank: int, timeout: float, owns_store: bool):
     """GPUCOLL_JOIN: wait for the members' ``grow()`` to admit this rank."""
     from .rendezvous.joiners import request_to_join
 
-    log.info("world rank %d: asking to join the running job (GPUCOLL_JOIN)", world_rank)
+    join_id = config.get("GPUCOLL_JOIN")
+    log.info("world rank %d: asking to join the running job (GPUCOLL_JOIN=%s)", world_rank,
+             join_id)
     try:
-        return request_to_join(store, world_rank, timeout)
+        return request_to_join(store, world_rank, timeout, join_id)
     except BaseException:
         if owns_store:
             store.close()

@@ -454,7 +454,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         return self._shrink(self.timeout if timeout is None else float(timeout))
 
     @traced(describe_nothing)
-    def grow(self, timeout: Optional[float] = None) -> "Communicator":
+    def grow(self, timeout: Optional[float] = None, *, min_size: int = 0) -> "Communicator":
         """A communicator of this one's ranks and every rank waiting to join the job, or this
         communicator itself when none waits (the inverse of :meth:`shrink`).
 
@@ -468,8 +468,11 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         trips when nobody waits.
 
         Args:
-            timeout: seconds a member waits for rank 0's decision (default: the
-                communicator's timeout).
+            timeout: seconds rank 0 waits for newcomers (with ``min_size``), and the others
+                for its decision (default: the communicator's timeout).
+            min_size: wait (at most ``timeout``) until enough ranks asked to join to make
+                the communicator this big, e.g. the job's full size after a loss (what
+                asked in time is taken either way); 0: take who is waiting now.
 
         Raises:
             CommAbortedError: the communicator is closed or aborted.
@@ -487,10 +490,12 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+            raise ValueError(f"min_size must be an int >= 0, got {min_size!r}")
         if self.closed or self._aborted is not None:
             raise CommAbortedError(f"rank {self.rank}: grow() on a closed or aborted "
                                    f"communicator; shrink() first after a failure")
-        return self._grow(self.timeout if timeout is None else float(timeout))
+        return self._grow(self.timeout if timeout is None else float(timeout), min_size)
 
     @abc.abstractmethod
     def abort(self) -> None:
@@ -586,5 +591,5 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
     def _shrink(self, timeout: float) -> "Communicator":
         return self._unsupported("shrink")
 
-    def _grow(self, timeout: float) -> "Communicator":
+    def _grow(self, timeout: float, min_size: int) -> "Communicator":
         return self._unsupported("grow")

@@ -164,10 +164,11 @@ _GPUCOLL = [
             "raises; best effort, never an error of its own."),
     Setting("GPUCOLL_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "Level of the `gpucoll` logger."),
-    Setting("GPUCOLL_JOIN", _parse_bool, False,
-            "`init()` joins a running job instead of starting one: it waits until the members "
-            "of a communicator call `grow()` (`gpucoll run --elastic --replace N` sets it for "
-            "the ranks it starts in place of lost ones)."),
+    Setting("GPUCOLL_JOIN", str, "",
+            "When set (to any id), `init()` joins a running job instead of starting one: it "
+            "waits until the members of a communicator call `grow()`, then records the id as "
+            "admitted in the store. `gpucoll run --elastic --replace N` sets it for the ranks "
+            "it starts in place of lost ones."),
     Setting("GPUCOLL_QUIET", _parse_bool, False,
             "Do not print the one line `init()` writes to stderr when it finds no launcher and "
             "runs as a world of one (rank 0 of 1, CPU backend)."),

@@ -55,7 +55,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Set, TextIO, Tuple
 
 from .cliutil import UsageError
 from .errors import StoreError
@@ -120,6 +120,8 @@ class _Rank:
         self.stopped = False  # still running when the launcher began stopping the job
         self.stderr_tail: Deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.threads: List[threading.Thread] = []
+        self.join_id: Optional[str] = None   # a replacement's GPUCOLL_JOIN
+        self.dismissed = False  # a replacement stopped because nobody was left to admit it
 
 
 class _Job:
@@ -135,6 +137,7 @@ class _Job:
         self.exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()  # (local rank, returncode)
         self.lost: List[_Rank] = []  # elastic: ranks that died while the others went on
         self.replaced = 0   # elastic: processes started in lost ranks' places
+        self.admitted: Set[str] = set()   # join ids of replacements the members let in
         self.port = plan.port
         self.reaper: Optional[ReaperLink] = None  # started by run()
 
@@ -197,7 +200,7 @@ class _Job:
 
     # -- life cycle -----------------------------------------------------------------------
 
-    def _rank_env(self, port: int, local_rank: int, join: bool = False) -> Dict[str, str]:
+    def _rank_env(self, port: int, local_rank: int, join_id: Optional[str] = None) -> Dict[str, str]:
         cfg, plan = self.cfg, self.plan
         env = dict(plan.base_env)
         env.update({
@@ -215,8 +218,8 @@ class _Job:
         })
         if self.limit_threads:
             env.update({name: "1" for name in THREAD_VARIABLES})
-        if join:
-            env["GPUCOLL_JOIN"] = "1"
+        if join_id is not None:
+            env["GPUCOLL_JOIN"] = join_id
         return env
 
     @property
@@ -234,15 +237,17 @@ class _Job:
                 return
             self.ranks.append(self._start(port, local_rank))
 
-    def _start(self, port: int, local_rank: int, join: bool = False) -> _Rank:
-        """Start one rank's process, its reader threads and its wait thread."""
+    def _start(self, port: int, local_rank: int, join_id: Optional[str] = None) -> _Rank:
+        """Start one rank's process (a replacement with ``join_id``), its reader threads and
+        its wait thread."""
         proc = subprocess.Popen(
-            self.plan.command, env=self._rank_env(port, local_rank, join),
+            self.plan.command, env=self._rank_env(port, local_rank, join_id),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True)
         if self.reaper is not None:  # before the wait thread below can reap it
             self.reaper.register(proc.pid)
         rank = _Rank(self.cfg.node_rank * self.cfg.nproc + local_rank, local_rank, proc)
+        rank.join_id = join_id
         prefix = f"[rank {rank.rank}] "
         rank.threads = [
             threading.Thread(target=self._pump, args=(proc.stdout, self.out, prefix, None),
@@ -288,9 +293,11 @@ class _Job:
                 wait = min(wait, remaining)
             rank = self._record_exits(wait)
             if rank is not None and rank.returncode != 0:
-                if self.cfg.elastic and self._lose(rank):
+                if rank.dismissed or (self.cfg.elastic and self._lose(rank)):
                     continue
                 return "failed", self._root_cause(rank, trap)
+            if self.replaced and self.cfg.nnodes == 1:
+                self._dismiss_unadmitted()
         return "ok", None
 
     def _drain(self, rank: _Rank) -> None:
@@ -331,7 +338,8 @@ class _Job:
         publish_death_briefly(self.plan.master_addr, self.port, self.plan.token, rank.rank, how)
         if self.replaced < self.cfg.replace:
             self.replaced += 1
-            self.ranks[rank.local_rank] = self._start(self.port, rank.local_rank, join=True)
+            join_id = f"node{self.cfg.node_rank}-pid{os.getpid()}-rank{rank.rank}-{self.replaced}"
+            self.ranks[rank.local_rank] = self._start(self.port, rank.local_rank, join_id)
             self.say(f"rank {rank.rank} lost ({how}); started a process in its place "
                      f"(replacement {self.replaced} of {self.cfg.replace}), which joins when "
                      f"the others call comm.grow() (--elastic --replace)")
@@ -343,6 +351,33 @@ class _Job:
             return False
         self.say(f"rank {rank.rank} lost ({how}); {remaining} rank(s) go on (--elastic)")
         return True
+
+    def _dismiss_unadmitted(self) -> None:
+        """One node: when every rank still running is a replacement that no member admitted,
+        nobody is left to call ``grow()``: stop them (SIGTERM, SIGKILL after the grace)."""
+        from .launch_elastic import admitted_briefly
+
+        alive = self._alive()
+        if not alive or any(r.join_id is None or r.join_id in self.admitted for r in alive):
+            return
+        found = admitted_briefly(self.plan.master_addr, self.port, self.plan.token,
+                                 [r.join_id for r in alive])
+        if found is None:   # the store did not answer: the replacements' own timeout ends them
+            return
+        self.admitted |= found
+        if found:
+            return
+        self.say(f"the other ranks finished before the replacement(s) for rank(s) "
+                 f"{_ranks_text([r.rank for r in alive])} were admitted (nobody called "
+                 f"comm.grow()): stopping them")
+        for rank in alive:
+            rank.dismissed = True
+            _signal_group(rank.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.kill_grace
+        while self._alive() and time.monotonic() < deadline:
+            self._record_exits(_POLL_INTERVAL)
+        for rank in self._alive():
+            _signal_group(rank.proc.pid, signal.SIGKILL)
 
     def stop_all(self, trap: _SignalTrap, settle: float = 0.0) -> None:
         """After up to ``settle`` seconds for the ranks to end on their own, SIGTERM every

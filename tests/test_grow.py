@@ -98,6 +98,26 @@ def test_a_ticket_whose_rank_never_wrote_its_world_rank_is_skipped(monkeypatch):
     assert _in_threads(_members(store, [0, 1])) == [None, None]
 
 
+def test_min_size_makes_member_0_wait_for_newcomers():
+    store = MemoryStore()
+    members = [lambda r=r: agree_on_growth(PrefixStore("world1", store), store, r, [0, 2],
+                                           "grow1", "world1/grow1", 10.0, min_size=3)
+               for r in range(2)]
+
+    def late_joiner():
+        threading.Event().wait(0.3)   # after the members began to wait
+        return request_to_join(store, 1, 10.0)
+
+    results = _in_threads(members + [late_joiner])
+    assert [g.world_ranks for g in results[:2]] == [(0, 1, 2)] * 2
+    assert results[2].rank == 1 and results[2].joined == (1,)
+    # nobody comes: member 0 gives up after the timeout and the members stay as they are
+    quiet = [lambda r=r: agree_on_growth(PrefixStore("world1", store), store, r, [0, 1, 2],
+                                         "grow2", "world1/grow2", 0.1, min_size=4)
+             for r in range(3)]
+    assert _in_threads(quiet) == [None] * 3
+
+
 def test_members_time_out_when_member_0_does_not_decide():
     store = MemoryStore()
     comm_store = PrefixStore("world1", store)
@@ -131,6 +151,11 @@ def rank_grow_alone(comm):
             comm.grow(timeout=bad)
         except ValueError as exc:
             errors.append(str(exc))
+    for bad in (-1, 2.0, True):
+        try:
+            comm.grow(min_size=bad)
+        except ValueError as exc:
+            errors.append(str(exc))
     return same, len(left), x, errors
 
 
@@ -141,7 +166,8 @@ def test_grow_with_nobody_waiting_returns_the_same_communicator(pool):
         assert left == 5                      # no decision key stays in the store
         np.testing.assert_array_equal(x, np.full(3, float(n)))
         assert errors == [f"timeout must be a positive number of seconds, got {bad!r}"
-                          for bad in (0, -1.0, "5", True)]
+                          for bad in (0, -1.0, "5", True)] + [
+                          f"min_size must be an int >= 0, got {bad!r}" for bad in (-1, 2.0, True)]
 
 
 def test_grow_on_a_closed_communicator_is_refused():
@@ -172,6 +198,31 @@ def test_launcher_replaces_a_lost_rank_and_it_joins_the_survivors():
     # world ranks + 1 summed on the grown communicator, and again after a healthy shrink of
     # it that kept all three (the replacement's death record was cleared when it joined)
     assert sums == {r: [6.0, 6.0, 3] for r in range(3)}
+
+
+NOBODY_GROWS = """
+import os, signal, time
+import gpucoll
+comm = gpucoll.init(backend="cpu", timeout=20)
+if comm.joined:
+    raise SystemExit("admitted, but nobody called grow()")
+if comm.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(0.5)
+print("DONE", comm.rank, flush=True)
+"""
+
+
+def test_a_replacement_nobody_admits_is_stopped_when_the_others_finish(tmp_path):
+    script = tmp_path / "nobody_grows.py"
+    script.write_text(NOBODY_GROWS)
+    result = _run(["run", "-n", "2", "--elastic", "--replace", "1", str(script)], timeout=40)
+    assert result.returncode == 0, result.stderr
+    assert ("gpucoll run: the other ranks finished before the replacement(s) for rank(s) 1 were "
+            "admitted (nobody called comm.grow()): stopping them") in result.stderr, result.stderr
+    assert ("gpucoll run: elastic job finished: 1 of 2 ranks exited 0; lost rank(s) 1 (signal "
+            "SIGKILL); 1 replacement(s) started") in result.stderr, result.stderr
+    assert "[rank 0] DONE 0" in result.stdout
 
 
 @pytest.mark.parametrize("args, message", [

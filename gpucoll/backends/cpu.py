@@ -485,9 +485,9 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
         child.lost = {self.to_world(r): why for r, why in agreed.lost.items()}
         return self._child(child, members)
 
-    def _grow(self, timeout: float) -> "CPUCommunicator":
+    def _grow(self, timeout: float, min_size: int) -> "CPUCommunicator":
         """Agree with the members on who joins; a fresh socket mesh with them (if any)."""
-        return grow_communicator(self, timeout, lambda comm_id, rank, size: CPUCommunicator(
+        return grow_communicator(self, timeout, min_size, lambda comm_id, rank, size: CPUCommunicator(
             self._root_store, rank, size, comm_id=comm_id, token=self._token,
             timeout=self.timeout, owns_store=False, **self._settings))
 

@@ -14,7 +14,7 @@ from ..rendezvous.joiners import agree_on_growth
 __all__ = ["grow_communicator"]
 
 
-def grow_communicator(comm: Any, timeout: float,
+def grow_communicator(comm: Any, timeout: float, min_size: int,
                       make: Callable[[str, int, int], Any]) -> Any:
     """The communicator of ``comm``'s members and every rank waiting to join, or ``comm``
     itself when none waits. ``make(comm_id, rank, size)`` builds the backend's communicator
@@ -22,7 +22,7 @@ def grow_communicator(comm: Any, timeout: float,
     comm._grows = getattr(comm, "_grows", 0) + 1
     number = comm._grows
     growth = agree_on_growth(comm._store, comm._root_store, comm.rank, comm.ranks,
-                             f"grow{number}", f"{comm.comm_id}/grow{number}", timeout)
+                             f"grow{number}", f"{comm.comm_id}/grow{number}", timeout, min_size)
     if growth is None:
         return comm
     child = make(growth.comm_id, growth.world_ranks.index(comm.to_world(comm.rank)),

@@ -37,6 +37,13 @@ the newest two. A run started with a checkpoint in D resumes from it, at any num
 With ``--elastic`` too, the survivors of a lost rank shrink and go back to the newest
 checkpoint (the lost rank's shard of the state comes back from its files): rank 0 prints
 "continued on N ranks from the checkpoint of step S".
+
+Under ``gpucoll run --elastic --replace N`` a lost rank's place is taken by a new process,
+which waits in ``init()``; with ``--elastic`` the ranks call ``comm.grow()`` every
+``--grow-every`` steps (``--wait-for-ranks N``: waiting for replacements while fewer than N
+train), and when it comes in they send it the replicated state (weights,
+momentum, position), or with ``--zero --checkpoint-dir`` save a checkpoint that every rank,
+the newcomer too, loads; rank 0 prints "rank(s) R joined: continued on N ranks from step S".
 """
 
 from __future__ import annotations
@@ -301,6 +308,32 @@ def _recover_from_checkpoint(shard: _Shard, params, progress: Progress, scaler, 
     return shard
 
 
+def _welcome(old: Optional[_Shard], comm, params, velocity, progress: Progress, scaler, args,
+             dataset_size: int) -> _Shard:
+    """After ``grow()``: every rank of ``comm``, the newcomers too (``old`` None), gets the
+    members' state and position; the members then close their old communicator."""
+    if args.checkpoint_dir:   # sharded state: through a checkpoint saved by the members
+        if old is not None:
+            save_step(old.zero, args.checkpoint_dir, progress, scaler)
+        comm.barrier()        # the newcomers look for the newest checkpoint only after it
+        shard = _Shard(comm, params, args, dataset_size)
+        resume(shard.zero, args.checkpoint_dir, progress, scaler)
+    else:                     # replicated state: from the first member that is not new
+        source = next(r for r in range(comm.size) if comm.to_world(r) not in comm.joined)
+        broadcast_parameters(comm, list(params) + list(velocity), root=source)
+        where = np.array([progress.epoch, progress.offset, progress.step], dtype=np.int64)
+        comm.broadcast(where, root=source)
+        progress.epoch, progress.offset, progress.step = (int(v) for v in where)
+        shard = _Shard(comm, params, args, dataset_size)
+    if old is not None:
+        old.comm.close()
+    if comm.rank == 0:
+        print(f"# rank(s) {', '.join(map(str, comm.joined))} joined: continued on {comm.size} "
+              f"ranks from step {progress.step} (epoch {progress.epoch + 1}, sample "
+              f"{progress.offset})", flush=True)
+    return shard
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser)
@@ -315,6 +348,12 @@ def main(argv=None) -> int:
                         help="dynamic loss scaling (skip steps that overflow)")
     parser.add_argument("--elastic", action="store_true",
                         help="survive lost ranks: shrink, re-shard, redo the interrupted step")
+    parser.add_argument("--grow-every", type=int, default=10, metavar="K",
+                        help="with --elastic: call comm.grow() every K steps, so that ranks "
+                             "started in lost ones' places (gpucoll run --replace) come in")
+    parser.add_argument("--wait-for-ranks", type=int, default=0, metavar="N",
+                        help="with --elastic: while fewer than N ranks train, each grow() "
+                             "waits (up to the communicator's timeout) for replacements")
     parser.add_argument("--kill-rank", type=int, default=None, metavar="R",
                         help="fault injection: world rank R SIGKILLs itself at --kill-step")
     parser.add_argument("--kill-step", type=int, default=None, metavar="S",
@@ -334,6 +373,8 @@ def main(argv=None) -> int:
                      "with --zero, --compression or --loss-scaling")
     if args.checkpoint_dir and not args.zero:
         parser.error("--checkpoint-dir saves the sharded state of --zero")
+    if args.grow_every < 1:
+        parser.error(f"--grow-every must be >= 1, got {args.grow_every}")
     if args.checkpoint_every < 1:
         parser.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if args.elastic and not args.checkpoint_dir and (args.zero or args.optimizer != "sgd"
@@ -351,17 +392,21 @@ def main(argv=None) -> int:
             raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the "
                              f"{comm.size} ranks")
         params = init_params([64, args.hidden, args.hidden, 10], seed=args.seed + comm.rank, xp=xp)
-        broadcast_parameters(comm, params, root=0)   # every rank starts from rank 0's weights
+        newcomer = comm.to_world(comm.rank) in comm.joined   # a lost rank's replacement
+        if not newcomer:
+            broadcast_parameters(comm, params, root=0)   # every rank starts from rank 0's weights
         optimizer = make_optimizer(args.optimizer, **_optimizer_settings(args))
         if args.optimizer == "sgd":  # the momentum, made now so that --elastic can replicate it
             optimizer.state = [{"velocity": xp.zeros_like(p)} for p in params]
         velocity = [slot["velocity"] for slot in optimizer.state]
         scaler = DynamicLossScaler(init_scale=2.0 ** 12, growth_interval=100) \
             if args.loss_scaling else None
-        shard = _Shard(comm, params, args, len(x_train))
+        progress = Progress()
+        shard = _welcome(None, comm, params, velocity, progress, scaler, args, len(x_train)) \
+            if newcomer else _Shard(comm, params, args, len(x_train))
         x_train_dev, y_train_dev = xp.asarray(x_train), xp.asarray(y_train)
         x_test_dev, y_test_dev = xp.asarray(x_test), xp.asarray(y_test)
-        if comm.rank == 0:
+        if comm.rank == 0 and not newcomer:
             print(f"# digits: {len(x_train)} train / {len(x_test)} test, {comm.size} rank(s), "
                   f"backend {comm.backend}, arrays {xp.__name__}, global batch {args.batch_size}, "
                   f"{shard.buckets} bucket(s), compression "
@@ -370,8 +415,7 @@ def main(argv=None) -> int:
                   f"{args.optimizer}{' sharded (ZeRO-1)' if args.zero else ''}"
                   + (", elastic" if args.elastic else ""))
         world_rank = comm.to_world(comm.rank)
-        progress = Progress()
-        if args.checkpoint_dir:
+        if args.checkpoint_dir and not newcomer:
             path = resume(shard.zero, args.checkpoint_dir, progress, scaler)
             if path is None:   # step 0: there is always a checkpoint to go back to
                 save_step(shard.zero, args.checkpoint_dir, progress, scaler)
@@ -383,7 +427,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         while progress.epoch < args.epochs:
             try:
-                comm = shard.comm
+                comm, regrouped = shard.comm, False
                 shard.sampler.set_epoch(progress.epoch)
                 mine = shard.sampler.indices(start=progress.offset)
                 local_batch = shard.local_batch
@@ -402,6 +446,15 @@ def main(argv=None) -> int:
                     sums["seen"] += local_batch
                     if args.checkpoint_dir and progress.step % args.checkpoint_every == 0:
                         save_step(shard.zero, args.checkpoint_dir, progress, scaler)
+                    if args.elastic and progress.step % args.grow_every == 0:
+                        bigger = comm.grow(min_size=args.wait_for_ranks)
+                        if bigger is not comm:   # newcomers: new shards of the rest
+                            shard = _welcome(shard, bigger, params, velocity, progress,
+                                             scaler, args, len(x_train))
+                            regrouped = True
+                            break
+                if regrouped:
+                    continue
                 _, test_correct, _ = loss_and_grads(params, x_test_dev, y_test_dev, xp)
                 totals = all_reduce_metrics(comm, sums)
             except FAILURES:

@@ -20,6 +20,7 @@ Store keys (unprefixed, one set per job): ``gpucoll/join/count``, ``gpucoll/join
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -27,10 +28,11 @@ from ..errors import CommAbortedError, CommTimeoutError
 from .store import Store
 from .survivors import death_key
 
-__all__ = ["Admission", "Growth", "agree_on_growth", "request_to_join"]
+__all__ = ["Admission", "Growth", "admitted_key", "agree_on_growth", "request_to_join"]
 
 _COUNT, _TAKEN = "gpucoll/join/count", "gpucoll/join/taken"
 _TICKET_WAIT = 5.0  # seconds for a ticket's world rank, written right after the ticket is taken
+_POLL = 0.01        # seconds between looks at the ticket counter while waiting for newcomers
 _REFUSED = "refused:"
 
 
@@ -40,6 +42,12 @@ def _ticket_key(ticket: int) -> str:
 
 def _admit_key(ticket: int) -> str:
     return f"gpucoll/join/admit/{ticket}"
+
+
+def admitted_key(join_id: str) -> str:
+    """Set once the rank that asked to join with ``join_id`` was admitted (its launcher asks:
+    a replacement nobody admitted can be stopped when the other ranks have finished)."""
+    return f"gpucoll/join/admitted/{join_id}"
 
 
 def _claim_key(ticket: int) -> str:
@@ -73,9 +81,10 @@ def _ints(text: str) -> Tuple[int, ...]:
     return tuple(int(word) for word in text.split(",") if word)
 
 
-def request_to_join(root_store: Store, world_rank: int, timeout: float) -> Admission:
+def request_to_join(root_store: Store, world_rank: int, timeout: float,
+                    join_id: str = "") -> Admission:
     """Ask to join the job as ``world_rank``; wait (at most ``timeout``) until the members of
-    a communicator call ``grow()`` and admit it.
+    a communicator call ``grow()`` and admit it; then record ``join_id`` as admitted.
 
     Raises:
         CommTimeoutError: no member called ``grow()`` within ``timeout``.
@@ -96,14 +105,23 @@ def request_to_join(root_store: Store, world_rank: int, timeout: float) -> Admis
     root_store.delete(_claim_key(ticket))
     if text.startswith(_REFUSED):
         raise CommAbortedError(f"world rank {world_rank}: not admitted: {text[len(_REFUSED):]}")
+    if join_id:
+        root_store.set(admitted_key(join_id), b"1")
     comm_id, rank, world_ranks, joined = text.split("|")
     return Admission(comm_id, int(rank), _ints(world_ranks), _ints(joined))
 
 
-def _decide(root_store: Store, world_ranks: Sequence[int], comm_id: str) -> Optional[Growth]:
-    """Member 0: admit every waiting newcomer; None when nobody waits."""
-    count = root_store.add(_COUNT, 0)
-    taken = root_store.add(_TAKEN, 0)
+def _decide(root_store: Store, world_ranks: Sequence[int], comm_id: str, min_size: int,
+            timeout: float) -> Optional[Growth]:
+    """Member 0: admit every waiting newcomer, first waiting (at most ``timeout``) until there
+    are tickets enough for ``min_size`` ranks; None when nobody waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        count = root_store.add(_COUNT, 0)
+        taken = root_store.add(_TAKEN, 0)
+        if len(world_ranks) + count - taken >= min_size or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL)
     if count <= taken:
         return None
     root_store.add(_TAKEN, count - taken)
@@ -140,7 +158,8 @@ def _decide(root_store: Store, world_ranks: Sequence[int], comm_id: str) -> Opti
 
 
 def agree_on_growth(store: Store, root_store: Store, rank: int, world_ranks: Sequence[int],
-                    epoch: str, comm_id: str, timeout: float) -> Optional[Growth]:
+                    epoch: str, comm_id: str, timeout: float,
+                    min_size: int = 0) -> Optional[Growth]:
     """Every member of a communicator calls this; member 0 decides (see the module doc).
 
     Args:
@@ -149,7 +168,10 @@ def agree_on_growth(store: Store, root_store: Store, rank: int, world_ranks: Seq
         rank: this member's rank; ``world_ranks``: the communicator's world ranks.
         epoch: a key prefix unique to this ``grow()`` of this communicator.
         comm_id: the id the grown communicator gets.
-        timeout: how long a member waits for member 0's decision.
+        timeout: how long member 0 waits for newcomers (with ``min_size``) and the others
+            for its decision (that, plus a grace).
+        min_size: member 0 first waits until enough newcomers asked to make the
+            communicator this big (at most ``timeout``); 0: it takes who is waiting now.
 
     Returns:
         The growth, or None when nobody was waiting to join.
@@ -160,18 +182,19 @@ def agree_on_growth(store: Store, root_store: Store, rank: int, world_ranks: Seq
     decision_key, read_key = f"{epoch}/decision", f"{epoch}/read"
     size = len(world_ranks)
     if rank == 0:
-        growth = _decide(root_store, world_ranks, comm_id)
+        growth = _decide(root_store, world_ranks, comm_id, min_size, timeout)
         if size > 1:
             text = "" if growth is None else (",".join(map(str, growth.world_ranks)) + "|"
                                               + ",".join(map(str, growth.joined)))
             store.set(decision_key, text.encode())
         return growth
+    wait = timeout + (timeout + _TICKET_WAIT if min_size > size else 0.0)
     try:
-        text = store.get(decision_key, timeout).decode()
+        text = store.get(decision_key, wait).decode()
     except CommTimeoutError:
         raise CommTimeoutError(
-            f"rank {rank}: grow: member 0 did not publish who joins within {timeout:g} s "
-            f"(it did not call grow(), or died)", rank=rank, op="grow", limit=timeout) from None
+            f"rank {rank}: grow: member 0 did not publish who joins within {wait:g} s "
+            f"(it did not call grow(), or died)", rank=rank, op="grow", limit=wait) from None
     if store.add(read_key, 1) == size - 1:  # the last member to read cleans up
         store.delete(decision_key)
         store.delete(read_key)
