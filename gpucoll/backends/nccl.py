@@ -19,6 +19,8 @@ Which NCCL call
     ``ncclRecv`` (:mod:`.nccl_grouped`), send and recv a lone one; barrier is a waited
     one-element all-reduce; split is ``ncclCommSplit``; AVG is NCCL's own average. NCCL reduces
     (u)int8/32/64, float16, bfloat16, float32 and float64 (complex SUM/AVG as float pairs).
+    Each operation's NCCL call and arguments are in :mod:`.nccl_collectives`; this module
+    holds the communicator's creation, array import, enqueueing, failure handling and lifetime.
 
 Errors
     Usage errors are raised before anything is enqueued. The watchdog follows each operation's
@@ -48,6 +50,7 @@ from ..types import _CODE_OF as _ACCEPTED_DTYPES, ReduceOp  # dtypes wire_code()
 from . import nccl_runtime, signature
 from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
+from .nccl_collectives import NCCLCollectives
 from .nccl_grouped import GroupedPointToPoint
 from .nccl_progress import ProgressReports
 from .nccl_work import CudaWork, EnqueuedCall
@@ -56,7 +59,8 @@ from .watchdog import CudaFault, Pending, Watchdog, event_status
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
 
-class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Communicator):
+class NCCLCommunicator(NCCLCollectives, ProgressReports, ExactAllToAllV, GroupedPointToPoint,
+                       Communicator):
     """Communicator over GPU arrays, one GPU per rank, NCCL underneath.
 
     Attributes (besides the Communicator ones):
@@ -153,31 +157,6 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
 
     def _export(self, result: Any, like: Any) -> Any:
         return export_like(self._cupy, result, like)
-
-    def _reduction(self, x: Any, op: ReduceOp) -> Tuple[int, int, int]:
-        """(NCCL dtype, element count, NCCL op) for reducing ``x`` with ``op``."""
-        try:
-            dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
-            return dtype, per_element * x.size, reduce_op
-        except KeyError:
-            pass
-        dtype, count, reduce_op = self._translate_reduction(x, op)
-        if x.size:
-            self._reductions[(x.dtype, op)] = (dtype, count // x.size, reduce_op)
-        return dtype, count, reduce_op
-
-    def _translate_reduction(self, x: Any, op: ReduceOp) -> Tuple[int, int, int]:
-        nccl = self._nccl
-        reduce_op = nccl_runtime.nccl_op(nccl, op)
-        name = x.dtype.name
-        if name in nccl_runtime.REDUCIBLE:
-            return nccl_runtime.nccl_dtype(nccl, name), x.size, reduce_op
-        if x.dtype.kind == "c" and op in (ReduceOp.SUM, ReduceOp.AVG):
-            real = "float32" if x.dtype.itemsize == 8 else "float64"
-            return nccl_runtime.nccl_dtype(nccl, real), 2 * x.size, reduce_op
-        raise TypeError(f"NCCL cannot reduce dtype {name} with op {op.value} (it reduces "
-                        f"{', '.join(sorted(nccl_runtime.REDUCIBLE))}); cast the array or "
-                        f"use the cpu backend")
 
     # ------------------------------------------------------------------ failure handling
     def _check_alive(self) -> None:
@@ -350,120 +329,7 @@ class NCCLCommunicator(ProgressReports, ExactAllToAllV, GroupedPointToPoint, Com
             self._fail("error", str(error), None)  # as after any mismatch: aborted
             raise error
 
-    # ------------------------------------------------------------------ collectives
-    def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        try:  # _reduction, its cache inlined (hot path)
-            dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
-            count = per_element * x.size
-        except KeyError:
-            dtype, count, reduce_op = self._reduction(x, op)
-        src = x.data.ptr
-        target, dst = (x, src) if out is None else (out, out.data.ptr)
-        return self._enqueue(  # seq: _next_seq(); launch: a bound method, no closure (hot path)
-            "all_reduce", self.nccl_comm.allReduce, stream, async_op, target, seq=self._seq + 1,
-            check=(x.dtype, x.shape, op) if self._debug else None,
-            args=(src, dst, count, dtype, reduce_op))
-
-    def _broadcast(self, x, root: int, async_op: bool, stream=None):
-        comm, ptr, nbytes, kind = self.nccl_comm, x.data.ptr, x.nbytes, self._bytes_type
-        seq = self._next_seq()
-        return self._enqueue(
-            "broadcast", lambda s: comm.broadcast(ptr, ptr, nbytes, kind, root, s),
-            stream, async_op, x, seq=seq, check=(x.dtype, x.shape, None, root))
-
-    def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None):
-        dtype, count, reduce_op = self._reduction(x, op)
-        target = (x if out is None else out) if self.rank == root else None
-        comm, src = self.nccl_comm, x.data.ptr
-        dst = target.data.ptr if target is not None else src
-        seq = self._next_seq()
-        return self._enqueue(
-            "reduce", lambda s: comm.reduce(src, dst, count, dtype, reduce_op, root, s),
-            stream, async_op, target, seq=seq, check=(x.dtype, x.shape, op, root))
-
-    def _all_gather(self, x, out, async_op: bool, stream=None):
-        if out is None:
-            out = self._empty((self.size,) + tuple(x.shape), dtype=x.dtype)
-        comm, src, dst, nbytes = self.nccl_comm, x.data.ptr, out.data.ptr, x.nbytes
-        kind = self._bytes_type
-        seq = self._next_seq()
-        return self._enqueue(
-            "all_gather", lambda s: comm.allGather(src, dst, nbytes, kind, s),
-            stream, async_op, out, seq=seq, check=(x.dtype, x.shape))
-
-    def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        dtype, count, reduce_op = self._reduction(x, op)
-        if out is None:
-            out = self._empty(tuple(x.shape[1:]), dtype=x.dtype)
-        comm, src, dst, per_rank = self.nccl_comm, x.data.ptr, out.data.ptr, count // self.size
-        seq = self._next_seq()
-        return self._enqueue(
-            "reduce_scatter", lambda s: comm.reduceScatter(src, dst, per_rank, dtype, reduce_op, s),
-            stream, async_op, out, seq=seq, check=(x.dtype, x.shape, op))
-
-    def _gather(self, x, root: int, out, stream=None):
-        if self.rank == root:
-            if out is None:
-                out = self._empty((self.size,) + tuple(x.shape), dtype=x.dtype)
-            block, base = x.nbytes, out.data.ptr
-            recvs = [(base + r * block, block, r) for r in range(self.size) if r != root]
-            launch = self._grouped([], recvs, [(base + root * block, x.data.ptr, block)])
-        else:
-            out = None
-            launch = self._grouped([(x.data.ptr, x.nbytes, root)], [], [])
-        seq = self._next_seq()
-        return self._enqueue("gather", launch, stream, False, out, seq=seq,
-                             check=(x.dtype, x.shape, None, root))
-
-    def _scatter(self, x, root: int, out, template, stream=None):
-        if out is None:
-            chunk, dtype = template
-            out = self._empty(chunk, dtype=dtype)
-        block = out.nbytes
-        if self.rank == root:
-            base = x.data.ptr
-            sends = [(base + r * block, block, r) for r in range(self.size) if r != root]
-            launch = self._grouped(sends, [], [(out.data.ptr, base + root * block, block)])
-        else:
-            launch = self._grouped([], [(out.data.ptr, block, root)], [])
-        seq = self._next_seq()
-        return self._enqueue("scatter", launch, stream, False, out, seq=seq,
-                             check=(out.dtype, out.shape, None, root))
-
-    def _all_to_all(self, x, out, stream=None):
-        if out is None:
-            out = self._empty(tuple(x.shape), dtype=x.dtype)
-        block = x.nbytes // self.size if self.size else 0
-        src, dst = x.data.ptr, out.data.ptr
-        peers = [r for r in range(self.size) if r != self.rank]
-        launch = self._grouped([(src + r * block, block, r) for r in peers],
-                               [(dst + r * block, block, r) for r in peers],
-                               [(dst + self.rank * block, src + self.rank * block, block)])
-        seq = self._next_seq()
-        return self._enqueue("all_to_all", launch, stream, False, out, seq=seq,
-                             check=(x.dtype, x.shape))
-
-    # ------------------------------------------------------------------ point to point
-    def _send(self, x, dst: int, tag: int, async_op: bool, stream=None):
-        comm, ptr, nbytes, kind = self.nccl_comm, x.data.ptr, x.nbytes, self._bytes_type
-        return self._enqueue("send", lambda s: comm.send(ptr, nbytes, kind, dst, s),
-                             stream, async_op, None, peer=dst)
-
-    def _recv(self, out, src: int, tag: int, async_op: bool, stream=None):
-        comm, ptr, nbytes, kind = self.nccl_comm, out.data.ptr, out.nbytes, self._bytes_type
-        return self._enqueue("recv", lambda s: comm.recv(ptr, nbytes, kind, src, s),
-                             stream, async_op, out, peer=src)
-
     # ------------------------------------------------------------------ groups and lifetime
-    def _barrier(self, timeout: float) -> None:
-        """A one-element all-reduce on the current stream that the host waits for."""
-        comm, ptr = self.nccl_comm, self._barrier_buffer.data.ptr
-        kind, total = self._nccl.NCCL_INT32, self._nccl.NCCL_SUM
-        seq = self._next_seq()
-        work = self._enqueue("barrier", lambda s: comm.allReduce(ptr, ptr, 1, kind, total, s),
-                             None, True, None, seq=seq, check=(np.int32, (1,)))
-        work.synchronize(timeout)
-
     def _split(self, color: Optional[int], key: int) -> Optional["NCCLCommunicator"]:
         """``ncclCommSplit``, after a store round that checks every rank arrived (so the
         blocking NCCL call cannot wait forever) and computes the new ranks and local ranks."""
