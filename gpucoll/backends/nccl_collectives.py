@@ -2,7 +2,9 @@
 NCCL call and arguments that :meth:`~gpucoll.backends.nccl.NCCLCommunicator._enqueue` launches.
 
 all_reduce, broadcast, reduce, all_gather, reduce_scatter, send, recv and barrier are one NCCL
-call each; gather, scatter and all_to_all are grouped sends and receives (:mod:`.nccl_grouped`).
+call each: they hand ``_enqueue`` the NCCL communicator's bound method and its arguments, with
+no closure built per call, and read their sequence number and the dtype/op translation's cache
+inline. gather, scatter and all_to_all are grouped sends and receives (:mod:`.nccl_grouped`).
 Kept apart from the communicator's lifetime, failure handling and the enqueueing itself
 (:mod:`.nccl`): this is the code every training step runs. The arguments were checked by
 :class:`~gpucoll.communicator.Communicator` before any of these runs.
@@ -22,7 +24,7 @@ __all__ = ["NCCLCollectives"]
 
 class NCCLCollectives:
     """Mixin of :class:`~gpucoll.backends.nccl.NCCLCommunicator` (uses its ``nccl_comm``,
-    ``_nccl``, ``_enqueue``, ``_grouped``, ``_empty``, ``_next_seq``, ``_bytes_type``,
+    ``_nccl``, ``_enqueue``, ``_grouped``, ``_empty``, ``_seq``, ``_debug``, ``_bytes_type``,
     ``_reductions`` and ``_barrier_buffer``)."""
 
     # ------------------------------------------------------------------ reductions
@@ -52,55 +54,64 @@ class NCCLCollectives:
                         f"use the cpu backend")
 
     # ------------------------------------------------------------------ collectives
+    # Each passes seq=self._seq + 1 (``_next_seq()``, inlined) and builds the GPUCOLL_DEBUG
+    # signature (``check``) only when the debug check runs.
     def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        try:  # _reduction, its cache inlined (hot path)
+        try:  # _reduction, its cache inlined
             dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
             count = per_element * x.size
         except KeyError:
             dtype, count, reduce_op = self._reduction(x, op)
         src = x.data.ptr
         target, dst = (x, src) if out is None else (out, out.data.ptr)
-        return self._enqueue(  # seq: _next_seq(); launch: a bound method, no closure (hot path)
+        return self._enqueue(
             "all_reduce", self.nccl_comm.allReduce, stream, async_op, target, seq=self._seq + 1,
             check=(x.dtype, x.shape, op) if self._debug else None,
             args=(src, dst, count, dtype, reduce_op))
 
     def _broadcast(self, x, root: int, async_op: bool, stream=None):
-        comm, ptr, nbytes, kind = self.nccl_comm, x.data.ptr, x.nbytes, self._bytes_type
-        seq = self._next_seq()
+        ptr = x.data.ptr
         return self._enqueue(
-            "broadcast", lambda s: comm.broadcast(ptr, ptr, nbytes, kind, root, s),
-            stream, async_op, x, seq=seq, check=(x.dtype, x.shape, None, root))
+            "broadcast", self.nccl_comm.broadcast, stream, async_op, x, seq=self._seq + 1,
+            check=(x.dtype, x.shape, None, root) if self._debug else None,
+            args=(ptr, ptr, x.nbytes, self._bytes_type, root))
 
     def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None):
-        dtype, count, reduce_op = self._reduction(x, op)
-        target = (x if out is None else out) if self.rank == root else None
-        comm, src = self.nccl_comm, x.data.ptr
-        dst = target.data.ptr if target is not None else src
-        seq = self._next_seq()
+        try:  # _reduction, its cache inlined
+            dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
+            count = per_element * x.size
+        except KeyError:
+            dtype, count, reduce_op = self._reduction(x, op)
+        src = x.data.ptr
+        if self.rank != root:
+            target, dst = None, src
+        else:
+            target, dst = (x, src) if out is None else (out, out.data.ptr)
         return self._enqueue(
-            "reduce", lambda s: comm.reduce(src, dst, count, dtype, reduce_op, root, s),
-            stream, async_op, target, seq=seq, check=(x.dtype, x.shape, op, root))
+            "reduce", self.nccl_comm.reduce, stream, async_op, target, seq=self._seq + 1,
+            check=(x.dtype, x.shape, op, root) if self._debug else None,
+            args=(src, dst, count, dtype, reduce_op, root))
 
     def _all_gather(self, x, out, async_op: bool, stream=None):
         if out is None:
             out = self._empty((self.size,) + tuple(x.shape), dtype=x.dtype)
-        comm, src, dst, nbytes = self.nccl_comm, x.data.ptr, out.data.ptr, x.nbytes
-        kind = self._bytes_type
-        seq = self._next_seq()
         return self._enqueue(
-            "all_gather", lambda s: comm.allGather(src, dst, nbytes, kind, s),
-            stream, async_op, out, seq=seq, check=(x.dtype, x.shape))
+            "all_gather", self.nccl_comm.allGather, stream, async_op, out, seq=self._seq + 1,
+            check=(x.dtype, x.shape) if self._debug else None,
+            args=(x.data.ptr, out.data.ptr, x.nbytes, self._bytes_type))
 
     def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        dtype, count, reduce_op = self._reduction(x, op)
+        try:  # _reduction, its cache inlined
+            dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
+            count = per_element * x.size
+        except KeyError:
+            dtype, count, reduce_op = self._reduction(x, op)
         if out is None:
             out = self._empty(tuple(x.shape[1:]), dtype=x.dtype)
-        comm, src, dst, per_rank = self.nccl_comm, x.data.ptr, out.data.ptr, count // self.size
-        seq = self._next_seq()
         return self._enqueue(
-            "reduce_scatter", lambda s: comm.reduceScatter(src, dst, per_rank, dtype, reduce_op, s),
-            stream, async_op, out, seq=seq, check=(x.dtype, x.shape, op))
+            "reduce_scatter", self.nccl_comm.reduceScatter, stream, async_op, out,
+            seq=self._seq + 1, check=(x.dtype, x.shape, op) if self._debug else None,
+            args=(x.data.ptr, out.data.ptr, count // self.size, dtype, reduce_op))
 
     def _gather(self, x, root: int, out, stream=None):
         if self.rank == root:
@@ -146,21 +157,19 @@ class NCCLCollectives:
 
     # ------------------------------------------------------------------ point to point
     def _send(self, x, dst: int, tag: int, async_op: bool, stream=None):
-        comm, ptr, nbytes, kind = self.nccl_comm, x.data.ptr, x.nbytes, self._bytes_type
-        return self._enqueue("send", lambda s: comm.send(ptr, nbytes, kind, dst, s),
-                             stream, async_op, None, peer=dst)
+        return self._enqueue("send", self.nccl_comm.send, stream, async_op, None, peer=dst,
+                             args=(x.data.ptr, x.nbytes, self._bytes_type, dst))
 
     def _recv(self, out, src: int, tag: int, async_op: bool, stream=None):
-        comm, ptr, nbytes, kind = self.nccl_comm, out.data.ptr, out.nbytes, self._bytes_type
-        return self._enqueue("recv", lambda s: comm.recv(ptr, nbytes, kind, src, s),
-                             stream, async_op, out, peer=src)
+        return self._enqueue("recv", self.nccl_comm.recv, stream, async_op, out, peer=src,
+                             args=(out.data.ptr, out.nbytes, self._bytes_type, src))
 
     # ------------------------------------------------------------------ barrier
     def _barrier(self, timeout: float) -> None:
         """A one-element all-reduce on the current stream that the host waits for."""
-        comm, ptr = self.nccl_comm, self._barrier_buffer.data.ptr
-        kind, total = self._nccl.NCCL_INT32, self._nccl.NCCL_SUM
-        seq = self._next_seq()
-        work = self._enqueue("barrier", lambda s: comm.allReduce(ptr, ptr, 1, kind, total, s),
-                             None, True, None, seq=seq, check=(np.int32, (1,)))
+        ptr, nccl = self._barrier_buffer.data.ptr, self._nccl
+        work = self._enqueue("barrier", self.nccl_comm.allReduce, None, True, None,
+                             seq=self._seq + 1,
+                             check=(np.int32, (1,)) if self._debug else None,
+                             args=(ptr, ptr, 1, nccl.NCCL_INT32, nccl.NCCL_SUM))
         work.synchronize(timeout)
