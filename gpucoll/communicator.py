@@ -78,6 +78,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
     _aborted: Optional[str] = None  # why the communicator was aborted (backends set it)
     _closed: bool = False
     _recorder: Any = flight_recorder.NOT_STARTED  # its flight recorder, made at the first op
+    _enqueued: Any = None  # a GPU backend's probe of its last blocking call, for the recorder
 
     # ------------------------------------------------------------------ checks
     def _check_alive(self) -> None:

@@ -19,8 +19,9 @@ ranks' traces shows which rank is behind, and at which call.
   finish time. No thread, no callback.
 - A blocking call is done or failed when it returns or raises. On a GPU backend, where a call
   returns once it is enqueued on the stream, the backend leaves ``comm._enqueued`` (with a
-  Work's ``is_completed()`` / ``exception()``) during the call, and the record stays pending
-  until the GPU has finished it: a collective stuck on the GPU shows as pending.
+  Work's ``is_completed()`` / ``exception()``; None otherwise) during the call, which the
+  record takes and clears; the record stays pending until the GPU has finished it: a
+  collective stuck on the GPU shows as pending.
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
                 if isinstance(exc, GpucollError):
                     dump(self, f"{op} #{record[_NUMBER]} failed: {type(exc).__name__}: {exc}")
                 raise
-            enqueued = self.__dict__.pop("_enqueued", None)
+            enqueued = self._enqueued  # read and cleared: no dict pop per call (hot path)
+            if enqueued is not None:
+                self._enqueued = None
             if isinstance(result, Work):
                 record[_WORK] = result
             elif returns_works and result:

@@ -93,6 +93,7 @@ def dtype_from_code(code: int) -> str:
 
 
 _VALID_OP_DTYPE: set = set()  # (op, dtype) pairs already checked (hot path)
+_SUM, _PROD = ReduceOp.SUM, ReduceOp.PROD
 
 
 def check_op_dtype(op: ReduceOp, dtype) -> None:
@@ -101,6 +102,8 @@ def check_op_dtype(op: ReduceOp, dtype) -> None:
     BAND/BOR/BXOR need integers or bool; MIN/MAX are undefined for complex numbers;
     AVG is undefined for bool.
     """
+    if (op is _SUM or op is _PROD) and isinstance(dtype, np.dtype):
+        return  # defined for every dtype, and a np.dtype needs no conversion (hot path)
     try:
         if (op, dtype) in _VALID_OP_DTYPE:
             return

@@ -131,6 +131,39 @@ def test_ops_parse_from_members_and_names_in_any_case():
             ReduceOp.parse(bad)
 
 
+def test_op_dtype_check_short_path_agrees_with_the_full_check():
+    """check_op_dtype returns at once for sum/prod of a np.dtype and caches the rest; every
+    (op, dtype) gets what the full check gives, which the rule below states independently."""
+    from gpucoll import types
+
+    def rule_raises(op, kind):
+        return (op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and kind not in "biu"
+                or op in (ReduceOp.MIN, ReduceOp.MAX) and kind == "c"
+                or op is ReduceOp.AVG and kind == "b")
+
+    def outcome(check, op, dtype):
+        try:
+            check(op, dtype)
+            return None
+        except TypeError as exc:
+            return str(exc)
+
+    dtypes = [np.dtype(name) for name in ("bool", "int8", "uint8", "int16", "int32", "uint32",
+                                          "int64", "uint64", "float16", "float32", "float64",
+                                          "complex64", "complex128", ">f4", "<i8")]
+    likes = ["float32", np.complex64, bool, "not-a-dtype"]
+    types._VALID_OP_DTYPE.clear()
+    for _ in range(2):  # then from the cache
+        for op in ReduceOp:
+            for dtype in dtypes + likes:
+                expected = outcome(types._check_op_dtype, op, dtype)
+                assert outcome(types.check_op_dtype, op, dtype) == expected, (op, dtype)
+                if dtype in likes[-1:]:
+                    assert expected is not None  # np.dtype() refuses it, whatever the op
+                else:
+                    assert (expected is not None) == rule_raises(op, np.dtype(dtype).kind)
+
+
 # ---------------------------------------------------------------- progress in the store
 def test_ranks_behind_reads_published_progress(tmp_path):
     store = FileStore(tmp_path / "store", timeout=5)
