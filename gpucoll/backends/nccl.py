@@ -51,6 +51,7 @@ from . import nccl_runtime, signature
 from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
 from .nccl_collectives import NCCLCollectives
+from .growing import grow_communicator
 from .nccl_grouped import GroupedPointToPoint
 from .nccl_progress import ProgressReports
 from .nccl_work import CudaWork, EnqueuedCall
@@ -413,6 +414,16 @@ class NCCLCommunicator(NCCLCollectives, ProgressReports, ExactAllToAllV, Grouped
         self._owns_store = False  # the new communicator closes the store now
         child.lost = {self.to_world(r): why for r, why in agreed.lost.items()}
         return self._child(child, members)
+
+    def _grow(self, timeout: float, min_size: int) -> "NCCLCommunicator":
+        """Agree with the members on who joins; with newcomers, a new NCCL communicator (a
+        new unique id under the grown communicator's store prefix, bounded like every
+        creation). This one stays usable until closed."""
+        self._check_alive()
+        return grow_communicator(self, timeout, min_size, lambda comm_id, rank, size: NCCLCommunicator(
+            self._root_store, rank, size, comm_id=comm_id, token=self._token, timeout=self.timeout,
+            debug=self._debug, owns_store=False, device=self.device,
+            watchdog_interval=self._watchdog_interval))
 
     def _drain(self, timeout: float) -> None:
         """Wait (host) until every tracked operation has completed, bounded by ``timeout``."""
