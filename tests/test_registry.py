@@ -80,6 +80,8 @@ def test_an_op_the_backend_lacks_is_named(toy, tmp_path):
         comm.broadcast(np.zeros(3))
     with pytest.raises(UnsupportedOperationError, match="does not support split"):
         comm.split(0)
+    with pytest.raises(UnsupportedOperationError, match="backend 'toy' does not support grow"):
+        comm.grow()
     with pytest.raises(ValueError, match="out of range"):  # argument checks still come first
         comm.broadcast(np.zeros(3), root=4)
     comm.close()
@@ -206,3 +208,17 @@ def test_init_transport_chooses_the_link(transport, kinds):
 def test_gpucoll_transport_chooses_the_link():
     results = run_ranks(_kinds, 2, env={"GPUCOLL_TRANSPORT": "tcp"}, timeout=60)
     assert results == [["tcp"], ["tcp"]]
+
+
+def test_joining_is_refused_by_a_backend_without_gpucolls_store(monkeypatch):
+    """GPUCOLL_JOIN needs the store the members' grow() admits through (MPI has none)."""
+    registry.register_backend("toy_own_rendezvous", ToyCommunicator, lambda: None,
+                              memory="host", needs_store=False,
+                              description="one rank, its own rendezvous")
+    monkeypatch.setenv("GPUCOLL_JOIN", "replacement-1")
+    try:
+        with pytest.raises(ValueError, match="GPUCOLL_JOIN: backend 'toy_own_rendezvous' cannot "
+                                             "add ranks to a running job"):
+            gpucoll.init(backend="toy_own_rendezvous", rank=0, world_size=1, set_default=False)
+    finally:
+        registry.unregister_backend("toy_own_rendezvous")
