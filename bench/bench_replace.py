@@ -114,12 +114,18 @@ def one_round(side: str, ranks: int) -> dict:
                        "--standalone", me,
                        "--rank-program", "torch", fault_file]
         env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=180)
+        try:
+            run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=90)
+        except subprocess.TimeoutExpired as exc:
+            return {"failed": f"no result within {exc.timeout:g} s"}
         reports = _reports(run.stdout)
         if run.returncode != 0 or len(reports) != ranks:
-            raise SystemExit(f"{side}: exit {run.returncode}, {len(reports)} reports\n"
-                             f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
+            errors = [line.strip() for line in run.stderr.splitlines()
+                      if "Error" in line and "debug_logger" not in line]
+            restart = [line for line in errors if "connectFullMesh" in line]  # the new round's
+            return {"failed": f"exit {run.returncode}, {len(reports)} of {ranks} ranks back; "
+                              f"last error: {(restart or errors or [run.stderr[-300:]])[-1]}"}
         assert all(r["size"] == ranks for r in reports), reports
         return {"seconds": max(r["seconds"] for r in reports),
                 "steps": max(r["steps"] for r in reports)}
@@ -144,14 +150,21 @@ def main() -> int:
         results["torchrun"].append(one_round("torchrun", args.ranks))
     print(f"back to {args.ranks} ranks after SIGKILL of one, {args.rounds} rounds "
           f"(median, max):")
+    medians = {}
     for side, rounds in results.items():
-        seconds = [r["seconds"] for r in rounds]
-        steps = [r["steps"] for r in rounds]
-        print(f"  {side:9s} {statistics.median(seconds):6.2f} s  {max(seconds):6.2f} s   "
-              f"steps on the survivors meanwhile: median {statistics.median(steps):.0f}")
-    ratio = statistics.median(r["seconds"] for r in results["torchrun"]) / \
-        statistics.median(r["seconds"] for r in results["gpucoll"])
-    print(f"  torchrun time / gpucoll time: {ratio:.2f}x")
+        done = [r for r in rounds if "failed" not in r]
+        for r in rounds:
+            if "failed" in r:
+                print(f"  {side:9s} round failed: {r['failed']}")
+        if not done:
+            continue
+        seconds = [r["seconds"] for r in done]
+        medians[side] = statistics.median(seconds)
+        print(f"  {side:9s} {medians[side]:6.2f} s  {max(seconds):6.2f} s   ({len(done)} of "
+              f"{len(rounds)} rounds; steps on the survivors meanwhile: median "
+              f"{statistics.median(r['steps'] for r in done):.0f})")
+    if len(medians) == 2:
+        print(f"  torchrun time / gpucoll time: {medians['torchrun'] / medians['gpucoll']:.2f}x")
     return 0
 
 
