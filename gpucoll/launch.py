@@ -395,7 +395,8 @@ class _Job:
         signals_before = len(trap.received)
         # Failed ranks too: children they left behind share their group. Groups of ranks that
         # ended well are left alone (their ids may belong to someone else by now).
-        groups = [rank.proc.pid for rank in self.ranks if rank.returncode != 0]
+        groups = sorted({rank.proc.pid for rank in self.ranks + self.lost  # replaced ones too
+                         if rank.returncode != 0})
         for pid in groups:
             _signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.kill_grace

@@ -44,16 +44,31 @@ def _undisturbed(*args: str):
     return _UNDISTURBED[args]
 
 
-def test_a_sigkilled_rank_costs_no_step_and_no_accuracy():
+# ``gpucoll run --elastic --replace 1`` starts a process in the lost rank's place; with
+# ``--wait-for-ranks 4`` the survivors' next grow() (every 10 steps) waits for it
+REPLACED = ["--elastic", "--replace", "1"]
+WAIT = ["--wait-for-ranks", "4"]
+
+
+def test_a_sigkilled_rank_costs_no_step_and_no_accuracy_and_its_replacement_joins():
+    """The survivors redo the interrupted step on 3 ranks; at step 40 the replacement of the
+    lost rank comes in, gets the weights, momentum and position from a survivor (the
+    newcomer is rank 0 of the grown communicator, so the state comes from rank 1), and the
+    run ends on 4 ranks at the undisturbed accuracy."""
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
     # world rank 0 dies at global step 35 (step 6 of epoch 2: 29 steps of 48 samples per epoch)
-    elastic = _launch("--elastic", *TRAIN, "--elastic", "--kill-rank", "0", "--kill-step", "35")
+    elastic = _launch(*REPLACED, *TRAIN, "--elastic", "--kill-rank", "0", "--kill-step", "35",
+                      *WAIT)
     assert elastic.returncode == 0, elastic.stdout + elastic.stderr
     assert "gpucoll run: rank 0 lost (signal SIGKILL)" in elastic.stderr, elastic.stderr
-    assert "lost rank(s) 0 (signal SIGKILL)" in elastic.stderr
+    assert ("4 of 4 ranks exited 0; lost rank(s) 0 (signal SIGKILL); 1 replacement(s) "
+            "started") in elastic.stderr, elastic.stderr
     # the new rank 0 (world rank 1) reports where it went on: the step that was interrupted
     assert re.search(r"^\[rank 1\] # lost rank\(s\) 0 \(signal SIGKILL\): continued on 3 ranks "
                      r"from step 35 \(epoch 2, sample 288\)$", elastic.stdout, re.M), elastic.stdout
+    # ... and the newcomer, world rank 0 again, where all four went on together
+    assert re.search(r"^\[rank 0\] # rank\(s\) 0 joined: continued on 4 ranks from step 40 "
+                     r"\(epoch 2, sample 528\)$", elastic.stdout, re.M), elastic.stdout
     expected, got = _undisturbed(*TRAIN), _test_accuracies(elastic.stdout)
     assert len(expected) == len(got) == 2, elastic.stdout
     assert expected[-1] > 0.9
@@ -64,17 +79,22 @@ ZERO = TRAIN + ["--zero", "--optimizer", "adam", "--loss-scaling"]
 
 
 def test_zero_goes_back_to_its_last_checkpoint_after_a_lost_rank(tmp_path):
-    """The lost rank's shard of Adam's state comes back from the checkpoint's files."""
+    """The lost rank's shard of Adam's state comes back from the checkpoint's files; its
+    replacement gets the sharded state through a checkpoint the members save when it joins,
+    which all four load (no step lost to the join)."""
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
     where = str(tmp_path / "ckpt")
-    elastic = _launch("--elastic", *ZERO, "--elastic", "--checkpoint-dir", where,
-                      "--checkpoint-every", "10", "--kill-rank", "2", "--kill-step", "35")
+    elastic = _launch(*REPLACED, *ZERO, "--elastic", "--checkpoint-dir", where,
+                      "--checkpoint-every", "10", "--kill-rank", "2", "--kill-step", "35", *WAIT)
     assert elastic.returncode == 0, elastic.stdout + elastic.stderr
     assert "gpucoll run: rank 2 lost (signal SIGKILL)" in elastic.stderr, elastic.stderr
+    assert "4 of 4 ranks exited 0" in elastic.stderr, elastic.stderr
     # steps 30 to 34 were trained on 4 ranks, then redone on 3 from the checkpoint of step 30
     assert re.search(r"^\[rank 0\] # lost rank\(s\) 2 \(signal SIGKILL\): continued on 3 ranks "
                      r"from the checkpoint of step 30 \(epoch 2, sample 48\)$", elastic.stdout,
                      re.M), elastic.stdout
+    assert re.search(r"^\[rank 0\] # rank\(s\) 2 joined: continued on 4 ranks from step 40 "
+                     r"\(epoch 2, sample 528\)$", elastic.stdout, re.M), elastic.stdout
     expected, got = _undisturbed(*ZERO), _test_accuracies(elastic.stdout)
     assert len(expected) == len(got) == 2, elastic.stdout
     assert expected[-1] > 0.9
@@ -82,39 +102,6 @@ def test_zero_goes_back_to_its_last_checkpoint_after_a_lost_rank(tmp_path):
     assert sorted(os.listdir(where)) == ["step-00000050", "step-00000058"]   # newest two
 
 
-REPLACED = ["--elastic", "--replace", "1"]
-JOINED = (r"^\[rank 0\] # rank\(s\) 2 joined: continued on 4 ranks from step 40 \(epoch 2, "
-          r"sample 528\)$")
-
-
-def test_a_lost_ranks_replacement_joins_and_gets_the_replicated_state():
-    """The survivors go on on 3 ranks, then at step 40 wait for the launcher's replacement,
-    send it the weights, momentum and position, and finish on 4."""
-    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
-    run = _launch(*REPLACED, *TRAIN, "--elastic", "--kill-rank", "2", "--kill-step", "30",
-                  "--wait-for-ranks", "4")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "lost rank(s) 2 (signal SIGKILL); 1 replacement(s) started" in run.stderr, run.stderr
-    assert "4 of 4 ranks exited 0" in run.stderr, run.stderr
-    assert re.search(r"^\[rank 0\] # lost rank\(s\) 2 \(signal SIGKILL\): continued on 3 "
-                     r"ranks from step 30 ", run.stdout, re.M), run.stdout
-    assert re.search(JOINED, run.stdout, re.M), run.stdout
-    expected, got = _undisturbed(*TRAIN), _test_accuracies(run.stdout)
-    assert len(got) == 2 and abs(got[-1] - expected[-1]) <= 0.01, (expected, got)
-
-
-def test_a_replacement_joins_sharded_training_through_a_checkpoint(tmp_path):
-    """With ZeRO-1 the members save a checkpoint when the replacement comes in, and all four
-    ranks load it: no step is lost to the join."""
-    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
-    where = str(tmp_path / "ckpt")
-    run = _launch(*REPLACED, *ZERO, "--elastic", "--checkpoint-dir", where, "--checkpoint-every",
-                  "10", "--kill-rank", "2", "--kill-step", "35", "--wait-for-ranks", "4")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "4 of 4 ranks exited 0" in run.stderr, run.stderr
-    assert re.search(JOINED, run.stdout, re.M), run.stdout
-    expected, got = _undisturbed(*ZERO), _test_accuracies(run.stdout)
-    assert len(got) == 2 and abs(got[-1] - expected[-1]) <= 0.01, (expected, got)
 
 
 def test_a_stopped_run_resumes_from_its_checkpoint_on_fewer_ranks(tmp_path):
