@@ -55,7 +55,8 @@ class NCCLCollectives:
 
     # ------------------------------------------------------------------ collectives
     # Each passes seq=self._seq + 1 (``_next_seq()``, inlined) and builds the GPUCOLL_DEBUG
-    # signature (``check``) only when the debug check runs.
+    # signature (``check``) only when the debug check runs; all_reduce, the hottest, also
+    # inlines ``_reduction``'s cache.
     def _all_reduce(self, x, op: ReduceOp, out, async_op: bool, stream=None):
         try:  # _reduction, its cache inlined
             dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
@@ -77,11 +78,7 @@ class NCCLCollectives:
             args=(ptr, ptr, x.nbytes, self._bytes_type, root))
 
     def _reduce(self, x, root: int, op: ReduceOp, out, async_op: bool, stream=None):
-        try:  # _reduction, its cache inlined
-            dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
-            count = per_element * x.size
-        except KeyError:
-            dtype, count, reduce_op = self._reduction(x, op)
+        dtype, count, reduce_op = self._reduction(x, op)
         src = x.data.ptr
         if self.rank != root:
             target, dst = None, src
@@ -101,11 +98,7 @@ class NCCLCollectives:
             args=(x.data.ptr, out.data.ptr, x.nbytes, self._bytes_type))
 
     def _reduce_scatter(self, x, op: ReduceOp, out, async_op: bool, stream=None):
-        try:  # _reduction, its cache inlined
-            dtype, per_element, reduce_op = self._reductions[(x.dtype, op)]
-            count = per_element * x.size
-        except KeyError:
-            dtype, count, reduce_op = self._reduction(x, op)
+        dtype, count, reduce_op = self._reduction(x, op)
         if out is None:
             out = self._empty(tuple(x.shape[1:]), dtype=x.dtype)
         return self._enqueue(
