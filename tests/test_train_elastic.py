@@ -124,6 +124,7 @@ def test_a_stopped_run_resumes_from_its_checkpoint_on_fewer_ranks(tmp_path):
     (["--zero", "--checkpoint-dir", "d", "--checkpoint-every", "0"], "must be >= 1, got 0"),
     (["--zero", "--elastic"], "or add --checkpoint-dir with --zero"),
     (["--elastic", "--grow-every", "0"], "--grow-every must be >= 1, got 0"),
+    (["--elastic", "--wait-for-ranks", "-1"], "--wait-for-ranks must be >= 0, got -1"),
 ])
 def test_checkpoint_usage_errors_exit_2(args, message):
     run = subprocess.run([sys.executable, "-m", "gpucoll.examples.train_digits", *args],

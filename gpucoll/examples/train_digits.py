@@ -375,6 +375,8 @@ def main(argv=None) -> int:
         parser.error("--checkpoint-dir saves the sharded state of --zero")
     if args.grow_every < 1:
         parser.error(f"--grow-every must be >= 1, got {args.grow_every}")
+    if args.wait_for_ranks < 0:
+        parser.error(f"--wait-for-ranks must be >= 0, got {args.wait_for_ranks}")
     if args.checkpoint_every < 1:
         parser.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if args.elastic and not args.checkpoint_dir and (args.zero or args.optimizer != "sgd"
