@@ -128,8 +128,11 @@ def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
                 recorder = recorder_of(self)
             if recorder is None:
                 return method(self, *args, **kwargs)
-            record = [next(recorder.numbers), op, describe(*args, **kwargs), _now(), None,
-                      _PENDING, None]
+            try:
+                fields = describe(*args, **kwargs)
+            except Exception:  # arguments it cannot read: the method itself names the error
+                fields = _UNKNOWN
+            record = [next(recorder.numbers), op, fields, _now(), None, _PENDING, None]
             recorder.records.append(record)
             try:
                 result = method(self, *args, **kwargs)
@@ -161,21 +164,26 @@ def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
 
 
 # ---------------------------------------------------------------- what each op records
-# From the method's own arguments: (shape, dtype, root, peer, tag, extra fields or None);
-# shape and dtype of the main array, None for objects. Read from the arguments as passed (an
-# array is never kept: that would keep its memory alive).
+# From the method's own arguments, passed by position or by name: (shape, dtype, root, peer,
+# tag, extra fields or None); shape and dtype of the main array, None for objects. Read from the
+# arguments as passed (an array is never kept: that would keep its memory alive).
+_UNKNOWN = (None, None, None, None, None, None)
+
+
 def describe_nothing(*args: Any, **kwargs: Any) -> tuple:
-    return None, None, None, None, None, None
+    return _UNKNOWN
 
 
-def describe_array(x: Any, *args: Any, **kwargs: Any) -> tuple:
+def describe_array(x: Any = None, *args: Any, **kwargs: Any) -> tuple:
     try:  # an array (hot path: no getattr with a default)
         return x.shape, x.dtype, None, None, None, None
     except AttributeError:
+        x = kwargs.get("x") if x is None else x
         return getattr(x, "shape", None), getattr(x, "dtype", None), None, None, None, None
 
 
 def describe_rooted(x: Any = None, root: Any = 0, *args: Any, **kwargs: Any) -> tuple:
+    x = kwargs.get("x", kwargs.get("obj")) if x is None else x
     return getattr(x, "shape", None), getattr(x, "dtype", None), root, None, None, None
 
 
@@ -188,7 +196,10 @@ def describe_scatter(x: Any = None, root: Any = 0, *, out: Any = None, **kwargs:
     return getattr(array, "shape", None), getattr(array, "dtype", None), root, None, None, None
 
 
-def describe_p2p(x: Any, peer: Any, *, tag: Any = 0, **kwargs: Any) -> tuple:
+def describe_p2p(x: Any = None, peer: Any = None, *, tag: Any = 0, **kwargs: Any) -> tuple:
+    """``send(x, dst)`` / ``recv(out, src)`` and their async forms, names or positions."""
+    x = kwargs.get("x", kwargs.get("out")) if x is None else x
+    peer = kwargs.get("dst", kwargs.get("src")) if peer is None else peer
     return getattr(x, "shape", None), getattr(x, "dtype", None), None, peer, tag, None
 
 
@@ -202,8 +213,8 @@ def describe_object_p2p(first: Any = None, second: Any = None, *, tag: Any = 0,
     return None, None, None, peer, tag, None
 
 
-def describe_sendrecv(x: Any, dst: Any, out: Any, src: Any, *, tag: Any = 0,
-                      recv_tag: Any = None, **kwargs: Any) -> tuple:
+def describe_sendrecv(x: Any = None, dst: Any = None, out: Any = None, src: Any = None, *,
+                      tag: Any = 0, recv_tag: Any = None, **kwargs: Any) -> tuple:
     """The array sent; peer ``[dst, src]``, tag ``[send tag, receive tag]``."""
     return (getattr(x, "shape", None), getattr(x, "dtype", None), None, [dst, src],
             [tag, tag if recv_tag is None else recv_tag], None)

@@ -55,8 +55,9 @@ def rank_sequence(comm, arr):
 
     n, r = comm.size, comm.rank
     sub = _fresh(comm, 256)
-    sub.all_reduce(arr.dev(np.ones(5, np.float32)))
-    sub.broadcast(arr.dev(np.arange(3, dtype=np.int64)), root=n - 1)
+    # the arrays and peers go by name here: the records read them either way
+    sub.all_reduce(x=arr.dev(np.ones(5, np.float32)))
+    sub.broadcast(x=arr.dev(np.arange(3, dtype=np.int64)), root=n - 1)
     # usage errors raise before anything is issued: not recorded, no number used
     usage = []
     for call in (lambda: sub.all_reduce(arr.dev(np.ones(2)), op="bogus"),
@@ -68,12 +69,12 @@ def rank_sequence(comm, arr):
             usage.append(type(exc).__name__)
     if n > 1:
         if r == 0:
-            sub.send(arr.dev(np.arange(4, dtype=np.int32)), 1, tag=7)
+            sub.send(x=arr.dev(np.arange(4, dtype=np.int32)), dst=1, tag=7)
         elif r == 1:
-            sub.recv(arr.zeros((4,), "int32"), 0, tag=7)
+            sub.recv(out=arr.zeros((4,), "int32"), src=0, tag=7)
         right, left = (r + 1) % n, (r - 1) % n
-        sub.sendrecv(arr.dev(np.ones(6, np.float64)), right, arr.zeros((6,), "float64"), left,
-                     tag=3)
+        sub.sendrecv(x=arr.dev(np.ones(6, np.float64)), dst=right,
+                     out=arr.zeros((6,), "float64"), src=left, tag=3)
         works = sub.batch_isend_irecv([
             gpucoll.P2POp("recv", arr.zeros((2,), "float32"), left),
             gpucoll.P2POp("send", arr.dev(np.ones(2, np.float32)), right)])
