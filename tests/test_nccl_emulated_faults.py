@@ -55,6 +55,9 @@ def test_watchdog_names_the_rank_that_never_arrived(run, emu):
             comm.all_reduce(x)
         with pytest.raises(CommTimeoutError):
             comm.synchronize()
+        comm.close()  # after close() a call says so, not the earlier timeout (as on a GPU)
+        with pytest.raises(CommAbortedError, match="rank 0: communicator is closed"):
+            comm.all_reduce(x)
         return str(info.value)
 
     message = _second_all_reduce_stalls(run, emu, rank_0, timeout=0.5)
@@ -376,6 +379,9 @@ def test_the_emulation_matches_sends_in_order_and_by_size(emu):
     for t in threads:
         t.join(10)
     assert not errors and all(comms)
+    # connected already: one thread plays both ranks here, and the lazy connection's host
+    # handshake would need two (it is tested by test_lazy_connection_*)
+    comms[0]._clique.links.update({(0, 1), (1, 0)})
     with cp.cuda.Device(0):
         a, b = cp.arange(3, dtype=cp.int64), cp.arange(3, 7, dtype=cp.int64)
         s0 = cp.cuda.Stream()
@@ -527,6 +533,7 @@ def test_point_to_point_timeout_names_the_peer(run, emu):
     finished = threading.Event()
 
     def fn(comm):
+        comm.connect_peers([1 - comm.rank])  # so the send's host call returns (lazy connection)
         if comm.rank == 1:
             assert finished.wait(10)  # never receives
             return None
@@ -535,8 +542,8 @@ def test_point_to_point_timeout_names_the_peer(run, emu):
             emu.stall(stream)
             work = comm.isend(cp.ones(3), 1, stream=stream)
             with pytest.raises(CommTimeoutError,
-                               match=r"rank 0: send #1 did not complete on GPU 0 within 0.2 s "
-                                     r"\(peer rank 1\)") as info:
+                               match=r"rank 0: send #2 did not complete on GPU 0 within 0.2 s "
+                                     r"\(peer rank 1\)") as info:  # #1: connect_peers
                 work.synchronize(timeout=0.2)
             assert (info.value.peer, info.value.op) == (1, "send")
             return True

@@ -161,10 +161,11 @@ class NCCLCommunicator(NCCLCollectives, ProgressReports, ExactAllToAllV, Grouped
 
     # ------------------------------------------------------------------ failure handling
     def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise self._error()
+        # closed first: after close() every call says so, whatever failure came before
         if self._closed:
             raise CommAbortedError(f"rank {self.rank}: communicator is closed")
+        if self._failure is not None:
+            raise self._error()
 
     def _error(self) -> GpucollError:
         """The failure's error, once its (bounded) abort has returned: "aborted" is then so."""
