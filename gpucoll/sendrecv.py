@@ -15,7 +15,7 @@ their order, and the receiving side checks that what arrives matches ``out`` and
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import CommAbortedError, CommTimeoutError
 from .flight_recorder import describe_sendrecv, traced
@@ -208,6 +208,30 @@ class SendRecv:
         recv_tag = tag if recv_tag is None else self._tag(recv_tag)
         return self._hand_back(self._sendrecv(x, dst, out, src, tag, async_op, stream,
                                               recv_tag), out, out_in)
+
+    def connect_peers(self, peers: Iterable[int]) -> None:
+        """Set up the point-to-point connections with ``peers`` now, together with them: each
+        rank listed calls ``connect_peers`` naming this rank too.
+
+        NCCL connects two ranks lazily, inside the host call of their first send or receive,
+        and that call waits for the peer's own first call in the other direction. When one
+        rank's first receive from a peer is grouped with a send (``sendrecv``) while the
+        peer sends only after that data arrived, both wait forever (NVIDIA/nccl#783): the
+        GPipe schedule of a pipeline does exactly that. Connecting first, with everyone at
+        once, removes the handshake from later calls. Peers connected before are skipped;
+        on host backends, which need no handshake, it only checks its arguments.
+
+        Raises:
+            ValueError: a peer that is this rank or out of range; before anything is sent.
+            TypeError: a peer that is not an int.
+        """
+        self._check_alive()
+        wanted = sorted({self._peer(peer, "peer") for peer in peers})
+        if wanted:
+            self._connect_peers(wanted)
+
+    def _connect_peers(self, peers: List[int]) -> None:
+        """Backend hook: host backends connect on demand without a handshake."""
 
     def _sendrecv(self, x: Any, dst: int, out: Any, src: int, tag: int, async_op: bool,
                   stream: Any = None, recv_tag: Optional[int] = None):

@@ -97,11 +97,12 @@ def test_reductions_every_dtype_op_and_root(run, emu, n):
                 out = cp.zeros((2, 3), dtype=host.dtype)
                 assert comm.reduce_scatter(cp.asarray(full), op, out=out) is out
                 _check(out.get(), blocks[r], f"{what} reduce_scatter out=", op)
-        # every reduction went to NCCL as its own dtype, element count and op
+        # every reduction went to NCCL as its own dtype, element count and op (one rank's
+        # AVG as the SUM it equals: test_one_rank_avg_is_whole_on_an_nccl_that_drops_its_tail)
         name, args = _calls(emu, comm, "allReduce")[-1]
         assert (args["datatype"], args["count"], args["op"]) == \
             (emu.nccl.NCCL_BFLOAT16 if HAVE_BFLOAT16 else emu.nccl.NCCL_FLOAT64, 15,
-             emu.nccl.NCCL_AVG)
+             emu.nccl.NCCL_AVG if n > 1 else emu.nccl.NCCL_SUM)
         name, args = _calls(emu, comm, "reduceScatter")[-1]
         assert args["count"] == 6
         return True
@@ -140,6 +141,36 @@ def test_complex_sum_and_avg_reduce_as_pairs_of_floats(run, emu, n):
         return True
 
     assert run(n, fn) == [True] * n
+
+
+def test_one_rank_avg_is_whole_on_an_nccl_that_drops_its_tail(run, emu):
+    """NCCL before 2.29.7 leaves the last count % 32 elements of a one-rank float AVG unwritten
+    (NVIDIA/nccl#1950; found on an H100 with NCCL 2.28.9): gpucoll sends a one-rank AVG as
+    the SUM it equals, and every element arrives."""
+    cp = emu.cupy
+    emu.nccl_version = 22809
+    count = 100003  # 3 past a multiple of 32, as on the GPU
+    host = (np.arange(count) % 13 - 6.5).astype(np.float32)  # no zeros
+
+    def fn(comm):
+        src, raw = cp.asarray(host), cp.zeros(count, dtype=cp.float32)
+        # called directly, the emulation drops the tail, like that NCCL
+        comm.nccl_comm.allReduce(src.data.ptr, raw.data.ptr, count,
+                                 emu.nccl.NCCL_FLOAT32, emu.nccl.NCCL_AVG,
+                                 cp.cuda.get_current_stream().ptr)
+        cp.cuda.get_current_stream().synchronize()
+        dropped = int((raw.get() != host).sum())
+        zeros = lambda: cp.zeros(count, dtype=cp.float32)  # noqa: E731 (in place hides it)
+        results = [comm.all_reduce(src, "avg", out=zeros()).get(),
+                   comm.reduce(src, root=0, op="avg", out=zeros()).get(),
+                   comm.reduce_scatter(src.reshape(1, -1), "avg", out=zeros()).get()]
+        return dropped, results, [args["op"] for _, args in _calls(emu, comm, "allReduce")]
+
+    [(dropped, results, ops)] = run(1, fn)
+    assert dropped == 3
+    for got in results:
+        np.testing.assert_array_equal(got, host)
+    assert ops == [emu.nccl.NCCL_AVG, emu.nccl.NCCL_SUM]
 
 
 # ---------------------------------------------------------------- data movement

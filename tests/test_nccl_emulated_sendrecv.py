@@ -106,3 +106,40 @@ def test_object_messages_go_through_device_buffers(run, emu):
     assert first["step"] == 3 and first["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert second == "after"
     assert sent.count("send") == 4 and received.count("recv") == 4
+
+
+def test_a_first_receive_grouped_after_sends_needs_the_peers_connected_first(run, emu):
+    """NCCL connects two ranks lazily, inside the host call of their first send / receive
+    (the emulation does too). Rank 0 sends twice, then groups its first receive from rank 1
+    with a third send; rank 1 sends only after that third message arrived: rank 0's
+    ``groupEnd`` waits for rank 1's first send, which waits for it (GPipe on two stages hung
+    so on an H100). The watchdog ends it; with ``connect_peers`` first it runs."""
+    cp = emu.cupy
+
+    def exchange(comm, connect):
+        if connect:
+            comm.connect_peers([1 - comm.rank])
+        if comm.rank == 0:
+            comm.isend(cp.full(2, 1.0), 1)
+            comm.isend(cp.full(2, 2.0), 1)
+            got = comm.sendrecv(cp.full(2, 3.0), 1, cp.zeros(2), 1)
+            return got.get().tolist()
+        got = [comm.recv(cp.zeros(2), 0).get().tolist() for _ in range(3)]
+        comm.send(cp.full(2, 9.0), 0)
+        return got
+
+    assert run(2, lambda comm: exchange(comm, True)) == \
+        [[9.0, 9.0], [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]]
+
+    def hangs(comm):
+        try:
+            exchange(comm, False)
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+        return None
+
+    results = run(2, hangs, timeout=0.5)
+    assert results[0][0] == "CommTimeoutError", results
+    assert "rank 0: sendrecv #3 did not complete on GPU 0 within 0.5 s (peer rank 1)" \
+        in results[0][1], results
+    assert results[1] is not None, results  # rank 1 waits for its third message in vain

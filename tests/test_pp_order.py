@@ -3,7 +3,10 @@ stream-ordered backend.
 
 On NCCL every operation of a rank runs in issue order on its stream, and a send finishes only
 once its receiver has reached the matching receive (for messages larger than NCCL's buffers);
-a ``sendrecv`` is one group whose two halves progress together. The CPU backend is more
+a ``sendrecv`` is one group whose two halves progress together. Two ranks connect lazily, one
+direction at a time: the host call of a rank's first send to a peer waits until the peer is at
+its first receive from it (NVIDIA/nccl#783), so until then nothing of that call progresses.
+The pipeline connects its neighbours first (``connect_peers``). The CPU backend is more
 forgiving (sends progress on their own threads), so a schedule that runs there may still hang
 on a GPU. This file records each stage's issue order from the real ``Pipeline`` (a recording
 communicator; every stage in this process) and plays the stages against each other under the
@@ -64,6 +67,12 @@ class RecordingComm:
                            ("recv", src, tag if recv_tag is None else recv_tag, out.nbytes)])
         return _Done() if async_op else out
 
+    def connect_peers(self, peers):
+        """One group of a one-byte send to and receive from each peer (as on NCCL); tag -1."""
+        if peers:  # none: nothing is sent
+            self.units.append([op for peer in sorted(peers)
+                               for op in (("send", peer, -1, 1), ("recv", peer, -1, 1))])
+
     def abort(self):
         pass
 
@@ -95,7 +104,9 @@ def play(orders: List[List[List[Op]]]) -> Optional[str]:
 
     A rank works on its first unit only; an op of it matches the counterpart op (the k-th send
     from a to b with the k-th receive at b from a) once that is in the peer's first unit; a
-    unit is done when all its ops are matched.
+    unit is done when all its ops are matched. A unit with an op in a direction (a, b) not yet
+    connected progresses only once, for each such direction, the peer's first unit holds the
+    other side's op too; the direction is then connected.
     """
     counted: Dict[Tuple[str, int, int], int] = {}
     queues = []
@@ -109,18 +120,34 @@ def play(orders: List[List[List[Op]]]) -> Optional[str]:
                 keyed.append((kind, pair, number, tag, nbytes))
             queue.append(keyed)
         queues.append(queue)
-    matched = set()
+    matched, connected = set(), set()
     while any(queues):
         progress = False
+        launched = []  # per rank: its first unit is past its host call (connected)
         for rank, queue in enumerate(queues):
-            if not queue:
-                continue
+            unconnected = {(kind, pair) for kind, pair, *_ in (queue[0] if queue else [])
+                           if pair not in connected}
+            ready = bool(queue)
+            for kind, pair in unconnected:
+                peer = pair[1] if kind == "send" else pair[0]
+                other = "recv" if kind == "send" else "send"
+                head = queues[peer][0] if queues[peer] else []
+                ready = ready and any(op[:2] == (other, pair) for op in head)
+            launched.append(ready)
+        for rank, queue in enumerate(queues):
+            if launched[rank]:
+                news = {pair for _, pair, *_ in queue[0]} - connected
+                progress = progress or bool(news)
+                connected |= news
+        for rank, queue in enumerate(queues):
+            if not launched[rank]:
+                continue  # its host call waits for the connection
             for kind, pair, number, tag, nbytes in queue[0]:
                 if (kind, pair, number) in matched:
                     continue
                 peer = pair[1] if kind == "send" else pair[0]
                 other = "recv" if kind == "send" else "send"
-                head = queues[peer][0] if queues[peer] else []
+                head = queues[peer][0] if queues[peer] and launched[peer] else []
                 for op in head:
                     if op[:3] == (other, pair, number):
                         if (op[3], op[4]) != (tag, nbytes):
@@ -154,6 +181,17 @@ def test_the_rule_finds_a_deadlock_and_lets_a_group_through():
     assert "tag 3" in play(wrong_tag)
 
 
+def test_the_rule_connects_lazily():
+    """GPipe's pattern on two stages: stage 0's first receive is grouped with its last send;
+    stage 1 sends only after that send arrived. It hung on a real GPU in the host call (the
+    connection 1 -> 0 waits for stage 1's first send); connecting both ways first ends it."""
+    stage0 = [[("send", 1, 0, 8)], [("send", 1, 1, 8), ("recv", 1, 2, 8)]]
+    stage1 = [[("recv", 0, 0, 8)], [("recv", 0, 1, 8)], [("send", 0, 2, 8)]]
+    assert play([stage0, stage1]).startswith("deadlock")
+    connect = [("send", 1, -1, 1), ("recv", 1, -1, 1)], [("send", 0, -1, 1), ("recv", 0, -1, 1)]
+    assert play([[connect[0]] + stage0, [connect[1]] + stage1]) is None
+
+
 def test_the_old_order_of_the_pipeline_deadlocks():
     """Two stages, two micro-batches of 1F1B issued as the pipeline used to: every receive
     posted early on its own (the next input as soon as the current one arrived, the gradient
@@ -172,8 +210,14 @@ def test_training_steps_cannot_deadlock_on_a_stream_ordered_backend(schedule, st
     for micro_batches in range(1, 9):
         orders = issue_orders(schedule, stages, micro_batches)
         assert play(orders) is None, (schedule, stages, micro_batches)
-        sends = sum(op[0] == "send" for units in orders for unit in units for op in unit)
+        sends = sum(op[0] == "send" and op[2] >= 0
+                    for units in orders for unit in units for op in unit)
         assert sends == 2 * 2 * micro_batches * (stages - 1)   # 2 steps, forward and back
+        for index, units in enumerate(orders):  # neighbours connected once, before anything
+            neighbours = sorted({index - 1, index + 1} & set(range(stages)))
+            connects = [unit for unit in units if unit[0][2] == -1]
+            assert connects == ([units[0]] if neighbours else [])
+            assert not neighbours or [op[1] for op in units[0][::2]] == neighbours
 
 
 @pytest.mark.parametrize("stages", [2, 3, 5])

@@ -106,13 +106,19 @@ def rank_usage_errors(comm, arr):
         "tag_type": error_text(lambda: comm.sendrecv(x, peer, out, peer, tag=1.5)),
         "out_not_array": error_text(lambda: comm.sendrecv(x, peer, [0.0] * 4, peer)),
         "out_strided": error_text(lambda: comm.sendrecv(x, peer, shared[::2], peer)),
+        "connect_self": error_text(lambda: comm.connect_peers([peer, r])),
+        "connect_range": error_text(lambda: comm.connect_peers([n])),
+        "connect_type": error_text(lambda: comm.connect_peers(["1"])),
     }
     if arr.xp is np:
         readonly = np.zeros(4, np.float32)
         readonly.flags.writeable = False
         errors["out_readonly"] = error_text(lambda: comm.sendrecv(x, peer, readonly, peer))
-    # nothing was sent: the next exchange gets exactly the neighbour's array
+    # nothing was sent: the next exchange gets exactly the neighbour's array (after every
+    # rank connected with both neighbours, twice: the second time there is nothing to do)
     left = (r - 1) % n
+    for _ in range(2):
+        comm.connect_peers({left, peer})
     comm.sendrecv(x * (r + 1), peer, out, left)
     return errors, arr.host(out)
 
@@ -236,6 +242,10 @@ def test_usage_errors_before_anything_is_sent(pool):
             assert errors[name] == f"ValueError: tag must be an int in [0, 2**32), got {shown}"
         assert errors["out_not_array"].startswith("TypeError: out must be an array"), errors
         assert "C-contiguous" in errors["out_strided"], errors
+        assert errors["connect_self"] == f"ValueError: peer={r} is this rank; send/recv " \
+                                         f"need another rank", errors
+        assert errors["connect_range"].startswith(f"ValueError: peer={n} is out of range")
+        assert errors["connect_type"] == "TypeError: peer must be an int, got str", errors
         if "out_readonly" in errors:
             assert errors["out_readonly"].startswith("ValueError: out is read-only"), errors
 

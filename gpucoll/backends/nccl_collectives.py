@@ -42,6 +42,10 @@ class NCCLCollectives:
 
     def _translate_reduction(self, x: Any, op: ReduceOp) -> Tuple[int, int, int]:
         nccl = self._nccl
+        if op is ReduceOp.AVG and self.size == 1:
+            # the average of one rank is its own value, as is the sum; NCCL before 2.29.7
+            # leaves the tail of a one-rank float AVG unwritten (NVIDIA/nccl#1950)
+            op = ReduceOp.SUM
         reduce_op = nccl_runtime.nccl_op(nccl, op)
         name = x.dtype.name
         if name in nccl_runtime.REDUCIBLE:

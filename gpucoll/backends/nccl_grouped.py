@@ -20,7 +20,25 @@ __all__ = ["GroupedPointToPoint"]
 
 class GroupedPointToPoint:
     """Mixin of :class:`~gpucoll.backends.nccl.NCCLCommunicator` (uses its ``nccl_comm``,
-    ``_nccl``, ``_cupy``, ``_bytes_type`` and ``_enqueue``)."""
+    ``_nccl``, ``_cupy``, ``_bytes_type``, ``_empty`` and ``_enqueue``)."""
+
+    _connected_peers: frozenset = frozenset()  # peers connect_peers() has connected
+    _connect_buffer: Any = None  # its bytes, alive until the next one (stream-ordered reuse)
+
+    def _connect_peers(self, peers: List[int]) -> None:
+        """One group of a one-byte send to and receive from each new peer: its ``groupEnd``
+        makes NCCL connect both directions with all of them while they do the same."""
+        new = [peer for peer in peers if peer not in self._connected_peers]
+        if not new:
+            return
+        buffer = self._empty((2 * len(new),), dtype="uint8")
+        base = buffer.data.ptr
+        sends = [(base + i, 1, peer) for i, peer in enumerate(new)]
+        recvs = [(base + len(new) + i, 1, peer) for i, peer in enumerate(new)]
+        self._enqueue("connect_peers", self._grouped(sends, recvs, []), None, False, None,
+                      peer=new[0])
+        self._connect_buffer = buffer
+        self._connected_peers = self._connected_peers | frozenset(new)
 
     def _grouped(self, sends: List[Tuple[int, int, int]], recvs: List[Tuple[int, int, int]],
                  copies: List[Tuple[int, int, int]]) -> Callable[[int], None]:

@@ -106,6 +106,10 @@ class Pipeline:
         self.correct = 0       # the last stage's correct predictions in the last step
         self._passes = 0
         self._check_neighbours()
+        # NCCL connects two ranks inside their first send/receive and GPipe's first receive
+        # from the next stage comes grouped after sends that stage must take first: connect
+        # both ways with both neighbours now, all stages at once (tests/test_pp_order.py)
+        comm.connect_peers({self.index - 1, self.index + 1} & set(range(self.stages)))
 
     # ------------------------------------------------------------------ construction checks
     def _check_neighbours(self) -> None:

@@ -37,7 +37,10 @@ The model
     Sends and receives issued between ``groupStart()`` and ``groupEnd()`` run together at
     ``groupEnd`` (sends are posted first, so a grouped exchange cannot deadlock); outside a
     group a send waits for the peer's matching receive and the other way round. Messages
-    between two ranks match in order and must have the same size.
+    between two ranks match in order and must have the same size. As in NCCL, two ranks
+    connect lazily, one direction at a time: the host call of a rank's first send to a peer
+    (the lone call, or ``groupEnd``) waits until the peer has made the host call of its first
+    receive from it, and the other way round (NVIDIA/nccl#783).
 
     Arguments are checked as NCCL would (datatype, op, counts, root and peer in range, buffers
     inside device memory of the communicator's GPU, known streams) and nonsense raises

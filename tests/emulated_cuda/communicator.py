@@ -19,6 +19,19 @@ if TYPE_CHECKING:
     from .emulation import Emulation
 
 
+#: the first NCCL whose one-rank AVG writes every element (NVIDIA/nccl#1950)
+ONE_RANK_AVG_FIXED = 22907
+
+
+def _one_rank_avg_of_old_nccl(data: np.ndarray) -> np.ndarray:
+    """What NCCL before 2.29.7 leaves of a one-rank float AVG: its kernel splits the elements
+    over 32 blocks rounding down, so the last ``count % 32`` are never written (a real H100 with
+    NCCL 2.28.9 left 3 of 100003). Integer AVG (a sum, then a division) is not affected."""
+    if data.dtype.kind in "iu" or data.size < 32 or data.size % 32 == 0:
+        return data
+    return data[:data.size - data.size % 32]
+
+
 def _read(ptr: int, nbytes: int, dtype) -> np.ndarray:
     """A copy of ``nbytes`` at ``ptr`` as a flat array of ``dtype``."""
     if nbytes == 0:
@@ -93,6 +106,10 @@ class _Clique:
         self.channels: Dict[Tuple[int, int], collections.deque] = \
             collections.defaultdict(collections.deque)
         self.aborted: Optional[str] = None
+        # lazy point-to-point connections: the sides asked for, ("send" | "recv", src, dst),
+        # and the links (src, dst) whose both sides were asked for
+        self.sides: set = set()
+        self.links: set = set()
 
 
 # ---------------------------------------------------------------------- NCCL communicator
@@ -286,6 +303,8 @@ class NcclCommunicator:
             rnd.finished += 1
             if rnd.finished == clique.size:
                 del clique.rounds[number]
+        if clique.size == 1 and args["op"] == 4 and emu.nccl_version < ONE_RANK_AVG_FIXED:
+            writes = [(ptr, _one_rank_avg_of_old_nccl(data)) for ptr, data in writes]
         for ptr, data in writes:
             _write(ptr, data)
 
@@ -317,7 +336,30 @@ class NcclCommunicator:
         if emu._group_depth() > 0:
             emu._local.group.append((self, state, op))
         else:
+            self._connect([op])
             emu._submit(state, lambda: self._run_p2p([op]), on_error=self._set_async_error)
+
+    def _connect(self, ops: List[tuple]) -> None:
+        """NCCL connects two ranks lazily, one direction at a time, inside the host call of
+        their first send or receive that way (the lone call, or ``groupEnd``): the call waits
+        until the peer's host call for the other side has been made, whatever else either
+        rank has enqueued (NVIDIA/nccl#783). An abort ends the wait with an error."""
+        clique, me = self._clique, self._rank
+        links = []
+        with self._emu.cond:
+            for kind, _, _, peer in ops:
+                link = (me, peer) if kind == "send" else (peer, me)
+                clique.sides.add((kind,) + link)
+                if link not in clique.links:
+                    links.append(link)
+            self._emu.cond.notify_all()
+            for src, dst in links:
+                both = lambda: {("send", src, dst), ("recv", src, dst)} <= clique.sides  # noqa: E731
+                self._wait(both, f"connection {src}->{dst}")
+                if not both():  # aborted meanwhile: NCCL's blocked call returns an error
+                    raise NcclError(INTERNAL_ERROR, f"rank {me}: aborted while connecting "
+                                                    f"{src}->{dst}")
+                clique.links.add((src, dst))
 
     def _run_p2p(self, ops: List[tuple]) -> None:
         emu, clique, me = self._emu, self._clique, self._rank
