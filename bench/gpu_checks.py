@@ -21,8 +21,10 @@ Phases (``--phase``, comma-separated; default all, in this order):
 - ``sweep``: ``gpucoll bench all_reduce -g 1 -b 8 -e 1G -f 4`` and ``-g 2``, as JSON (plot it
   anywhere with ``gpucoll bench --from-json FILE --plot FILE.png``).
 
-``--budget SECONDS`` stops starting steps that would not fit (a step is started only when its
-limit fits in what is left), so a caller with a hard wall-clock limit still gets its summary.
+``--budget SECONDS`` keeps the whole run inside a caller's hard wall-clock limit: a step's limit
+is cut to what is left of the budget, and no step starts with less than ``MIN_START`` seconds
+left, so the summary is always written. ``--workers N`` runs the GPU tests in N pytest-xdist
+processes (the GPU has room; most of a test's time is process start-up and kernel compiles).
 A step that exits 0 without writing its JSON (a benchmark that found no GPU says so and exits
 0) counts as failed. The re-run of the GPU tests leaves out the tests the first run passed.
 The training steps need scikit-learn's digits: without scikit-learn and without ``--digits``
@@ -56,6 +58,7 @@ PHASES = ("env", "tests", "ranks", "bench", "sweep")
 TWO_RANKS_ON_ONE_GPU = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "4",
                         "GPUCOLL_TIMEOUT": "120"}
 KILL_GRACE = 5.0  # seconds between SIGTERM and SIGKILL of a step that ran out of time
+MIN_START = 20.0  # seconds of budget a step needs to be started at all
 
 VERSIONS = r"""
 import platform, numpy
@@ -106,15 +109,16 @@ def _gpucoll(*args: str) -> List[str]:
     return [PY, "-m", "gpucoll", *args]
 
 
-def plan(out: str, digits: Optional[str] = None) -> List[Step]:
-    """The steps, in order. ``digits``: an .npz of the digits data for hosts without scikit-learn."""
+def plan(out: str, digits: Optional[str] = None, workers: int = 0) -> List[Step]:
+    """The steps, in order. ``digits``: an .npz of the digits data for hosts without scikit-learn;
+    ``workers``: pytest-xdist processes for the GPU tests (0: none)."""
     j = lambda name: os.path.join(out, name)  # noqa: E731
     digits_args = ["--data", digits] if digits else []
     digits_need = None if digits else "sklearn"
     # -v names each test as it starts, and faulthandler_timeout dumps the stacks of a test that
     # runs long, so a step killed at its limit still says where it hung
     pytest = [PY, "-m", "pytest", "tests", "-m", "gpu", "-v", "-rfEs", "-p", "no:cacheprovider",
-              "-o", "faulthandler_timeout=120"]
+              "-o", "faulthandler_timeout=120"] + (["-n", str(workers)] if workers else [])
     return [
         Step("env", "nvidia-smi", 30, ["nvidia-smi"]),
         Step("env", "nvidia-smi-topo", 30, ["nvidia-smi", "topo", "-m"]),
@@ -148,7 +152,9 @@ def plan(out: str, digits: Optional[str] = None) -> List[Step]:
              [PY, "bench/bench_nccl.py", "--json", j("nccl_overhead_1rank.json")],
              outputs=[j("nccl_overhead_1rank.json")]),
         Step("bench", "bench-nccl-2-ranks", 200,
-             _gpucoll("run", "-n", "2", "bench/bench_nccl.py", "--json", j("nccl_overhead_2ranks.json")),
+             # two processes time-slice the one GPU (milliseconds per call): few calls
+            _gpucoll("run", "-n", "2", "bench/bench_nccl.py", "-e", "256M", "--iters", "10",
+                     "--rounds", "3", "--warmup", "3", "--json", j("nccl_overhead_2ranks.json")),
              TWO_RANKS_ON_ONE_GPU, outputs=[j("nccl_overhead_2ranks.json")]),
         Step("bench", "bench-bucket", 120,
              [PY, "bench/bench_bucket.py", "--skip-cpu", "--skip-e2e", "--json", j("bucket.json")],
@@ -173,25 +179,31 @@ def _tail(path: str, lines: int = 25) -> str:
         return ""
 
 
-#: a test that passed, as ``pytest -v`` names it: ``tests/test_x.py::test_y[a-b] PASSED``
+#: a test that passed, as ``pytest -v`` names it: ``tests/test_x.py::test_y[a-b] PASSED  [ 5%]``,
+#: or with pytest-xdist ``[gw0] [  5%] PASSED tests/test_x.py::test_y[a-b]``
 _PASSED = re.compile(r"^(\S+::.*?) PASSED +\[ *\d+%\]$", re.MULTILINE)
+_PASSED_XDIST = re.compile(r"^\[gw\d+\] \[ *\d+%\] PASSED (\S+::.*?)\s*$", re.MULTILINE)
 
 
 def passed_tests(log_path: str) -> List[str]:
     """The node ids that a ``pytest -v`` log shows PASSED (none when the log is missing)."""
     try:
         with open(log_path, errors="replace") as handle:
-            return sorted(set(_PASSED.findall(handle.read())))
+            text = handle.read()
     except OSError:
         return []
+    return sorted(set(_PASSED.findall(text)) | set(_PASSED_XDIST.findall(text)))
 
 
-def run_step(step: Step, log_path: str, extra: Sequence[str] = ()) -> Dict[str, object]:
+def run_step(step: Step, log_path: str, extra: Sequence[str] = (),
+             limit_s: Optional[float] = None) -> Dict[str, object]:
     """Run one step in its own session; on time-out stop its whole process group.
 
-    ``extra``: arguments appended to the step's command line for this run. A step that exits
-    0 but leaves one of its ``outputs`` unwritten has failed.
+    ``extra``: arguments appended to the step's command line for this run; ``limit_s``: a limit
+    below the step's own (what is left of the budget). A step that exits 0 but leaves one of its
+    ``outputs`` unwritten has failed.
     """
+    limit = step.limit_s if limit_s is None else min(step.limit_s, limit_s)
     env = dict(os.environ, **step.env)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for path in step.outputs:  # a file left by an earlier run must not pass for this one's
@@ -210,7 +222,7 @@ def run_step(step: Step, log_path: str, extra: Sequence[str] = ()) -> Dict[str, 
             return {"status": "error", "rc": None, "seconds": 0.0}
         status = "passed"
         try:
-            rc = proc.wait(timeout=step.limit_s)
+            rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             status = "timed out"
             for signum, wait in ((signal.SIGTERM, KILL_GRACE), (signal.SIGKILL, 30.0)):
@@ -266,15 +278,18 @@ def run(steps: Sequence[Step], out: str, budget: Optional[float], echo=print) ->
             record["status"] = f"not needed ({step.only_if_failed} passed)"
         elif step.needs_module and importlib.util.find_spec(step.needs_module) is None:
             record["status"] = f"not run ({step.needs_module} is not installed)"
-        elif deadline is not None and time.monotonic() + step.limit_s > deadline:
+        elif deadline is not None and deadline - time.monotonic() < MIN_START:
             record["status"] = "not run (budget)"
         else:
             extra: List[str] = []
             if step.skip_passed_of and step.skip_passed_of in logs:
                 for node in passed_tests(logs[step.skip_passed_of]):
                     extra += ["--deselect", node]
-            echo(f"[{step.phase}] {step.name} (limit {step.limit_s:g} s) ...", flush=True)
-            record.update(run_step(step, logs[step.name], extra))
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left < step.limit_s:
+                record["limit_s"] = round(left, 1)
+            echo(f"[{step.phase}] {step.name} (limit {record['limit_s']:g} s) ...", flush=True)
+            record.update(run_step(step, logs[step.name], extra, left))
             if extra:
                 record["deselected"] = len(extra) // 2
         outcome[step.name] = str(record["status"])
@@ -293,6 +308,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"comma-separated phases out of {', '.join(PHASES)} (default: all)")
     parser.add_argument("--budget", type=float, help="seconds; start no step that would not fit")
     parser.add_argument("--digits", help="the digits data as .npz (x, y) where scikit-learn is missing")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="pytest-xdist processes for the GPU tests (default: 0, none)")
     parser.add_argument("--list", action="store_true", help="print the steps and exit")
     parser.add_argument("--force", action="store_true",
                         help="run even without a GPU (to try the steps' command lines)")
@@ -301,13 +318,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [p for p in phases if p not in PHASES]
     if unknown or not phases:
         parser.error(f"unknown phase(s) {unknown or args.phase!r}; choose from {', '.join(PHASES)}")
+    if args.workers < 0:
+        parser.error(f"--workers must be 0 or more, got {args.workers}")
     if args.budget is not None and args.budget <= 0:
         parser.error(f"--budget must be positive, got {args.budget:g}")
     digits = os.path.abspath(args.digits) if args.digits else None
     if digits and not os.path.isfile(digits):
         parser.error(f"--digits {args.digits}: no such file")
     out = os.path.abspath(args.out)
-    steps = [s for s in plan(out, digits) if s.phase in phases]
+    steps = [s for s in plan(out, digits, args.workers) if s.phase in phases]
     if args.list:
         for step in steps:
             extra = f"  (only if {step.only_if_failed} failed)" if step.only_if_failed else ""
