@@ -24,9 +24,10 @@ Importing this module never imports CuPy.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -68,8 +69,33 @@ def _is_cupy(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
+_DTYPE_NAMES: Dict[Any, str] = {}
+
+
 def _dtype_name(dtype: Any) -> str:
-    return np.dtype(dtype).name
+    """``np.dtype(dtype).name``, remembered: NumPy builds that string anew each time (about
+    4 µs), which once cost more than everything else ``pack`` does per array."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype-like
+        name = np.dtype(dtype).name
+        if len(_DTYPE_NAMES) < 256:
+            try:
+                _DTYPE_NAMES[dtype] = name
+            except TypeError:
+                pass
+        return name
+
+
+def _contiguous(array: Any) -> bool:
+    return array.flags.c_contiguous
+
+
+def _cupy_contiguous(array: Any) -> bool:
+    try:
+        return array._c_contiguous  # CuPy's own flag: no Flags object per call
+    except AttributeError:
+        return array.flags.c_contiguous
 
 
 def _check_pair(array_dtype: str, bucket_dtype: str) -> None:
@@ -102,12 +128,15 @@ def _validate(arrays: Sequence[Any], bucket: Any, offsets: Optional[Sequence[int
     if not bucket.flags.c_contiguous:
         raise ValueError(f"bucket must be contiguous (strides {bucket.strides})")
     gpu = _is_cupy(bucket)
+    device = bucket.data.device_id if gpu else None
+    contiguous = _cupy_contiguous if gpu else _contiguous
     array_dtype = first_type = first_dtype = None
     sizes = []
     for index, array in enumerate(arrays):
-        if type(array) is first_type and array.dtype == first_dtype and array.flags.c_contiguous \
-                and not gpu:
-            sizes.append(int(array.size))  # fast path: same kind as the previous arrays
+        # fast path: the same type and dtype as the arrays checked in full before
+        if type(array) is first_type and array.dtype == first_dtype and contiguous(array) \
+                and (not gpu or array.data.device_id == device):
+            sizes.append(array.size)
             continue
         if _is_cupy(array) != gpu:
             raise TypeError(f"arrays[{index}] is a {type(array).__module__}.{type(array).__name__} "
@@ -122,22 +151,29 @@ def _validate(arrays: Sequence[Any], bucket: Any, offsets: Optional[Sequence[int
         if not array.flags.c_contiguous:
             raise ValueError(f"arrays[{index}] must be C-contiguous (shape {array.shape}, strides "
                              f"{array.strides})")
-        if gpu and array.device.id != bucket.device.id:
-            raise ValueError(f"arrays[{index}] is on device {array.device.id}, the bucket on "
-                             f"device {bucket.device.id}")
+        if gpu and array.data.device_id != device:
+            raise ValueError(f"arrays[{index}] is on device {array.data.device_id}, the bucket "
+                             f"on device {device}")
         sizes.append(int(array.size))
         first_type, first_dtype = type(array), array.dtype
     if array_dtype is not None:
         _check_pair(array_dtype, _dtype_name(bucket.dtype))
+    sizes_np = np.asarray(sizes, dtype=np.int64)
     if offsets is None:
-        offsets = list(np.cumsum([0] + sizes[:-1], dtype=np.int64)) if sizes else []
+        offsets_np = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(sizes_np[:-1], out=offsets_np[1:])
     elif len(offsets) != len(sizes):
         raise ValueError(f"got {len(offsets)} offsets for {len(sizes)} arrays")
-    offsets = [int(o) for o in offsets]
-    for index, (offset, size) in enumerate(zip(offsets, sizes)):
-        if offset < 0 or offset + size > bucket.size:
-            raise ValueError(f"arrays[{index}] ({size} elements at offset {offset}) does not fit "
-                             f"in the bucket of {bucket.size} elements")
+    else:
+        offsets_np = np.asarray(offsets, dtype=np.int64)
+    outside = np.flatnonzero((offsets_np < 0) | (offsets_np + sizes_np > bucket.size))
+    if outside.size:
+        index = int(outside[0])
+        raise ValueError(f"arrays[{index}] ({sizes[index]} elements at offset "
+                         f"{int(offsets_np[index])}) does not fit in the bucket of "
+                         f"{bucket.size} elements")
+    offsets = offsets_np.tolist()
+    sizes = sizes_np.tolist()
     return array_dtype or "", offsets, sizes
 
 
@@ -340,18 +376,44 @@ def work_tables(pointers: Sequence[int], offsets: Sequence[int],
                                                   block_start))
 
 
+#: Work tables kept on the GPU, newest last: {(device, stream, table bytes): device array}.
+_TABLES: "collections.OrderedDict[Tuple[int, int, bytes], Any]" = collections.OrderedDict()
+#: How many: a training step packs and unpacks a few buckets, each with its own table.
+TABLES_KEPT = 64
+
+
+def _device_table(cupy: Any, device: int, stream: int, table: np.ndarray) -> Any:
+    """``table`` on the GPU, uploaded once per (device, stream, content) and then reused.
+
+    The upload is a copy from pageable memory, which first waits for everything queued on the
+    stream: done at every call, it made ``pack`` wait for the backward pass it should overlap.
+    Arrays at the same addresses (a memory pool's usual reuse) give the same table. Keyed by
+    stream too, so the memory of an evicted table is reused only in that stream's order."""
+    key = (device, stream, table.tobytes())
+    found = _TABLES.get(key)
+    if found is not None:
+        _TABLES.move_to_end(key)
+        return found
+    found = _TABLES[key] = cupy.asarray(table)
+    while len(_TABLES) > TABLES_KEPT:
+        _TABLES.popitem(last=False)
+    return found
+
+
 def _launch(name: str, arrays: Sequence[Any], bucket: Any, offsets: List[int], sizes: List[int],
             array_dtype: str, scale: float, found_inf: Any) -> None:
     import cupy
 
     bucket_dtype = _dtype_name(bucket.dtype)
     check = found_inf is not None
-    kernel = _kernel(bucket.device.id, name, array_dtype, bucket_dtype, check)
+    device = bucket.data.device_id
+    kernel = _kernel(device, name, array_dtype, bucket_dtype, check)
     pointers = [array.data.ptr for array in arrays]
     with bucket.device:  # every allocation and launch below on the bucket's GPU
+        stream = cupy.cuda.get_current_stream().ptr
         for n_arrays, grid, table in work_tables(pointers, offsets, sizes):
-            args = [cupy.asarray(table), np.int32(n_arrays), np.int64(TILE_ELEMS), bucket,
-                    np.float64(scale)]
+            args = [_device_table(cupy, device, stream, table), np.int32(n_arrays),
+                    np.int64(TILE_ELEMS), bucket, np.float64(scale)]
             if name == "bucket_unpack":  # the flag; null for the variant that never reads it
                 args.append(found_inf if check else np.uint64(0))
             kernel((grid,), (THREADS_PER_BLOCK,), tuple(args))
