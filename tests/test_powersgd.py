@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from gpucoll.ddp import Bucketer, PowerSGD
-from mp_harness import RankPool, error_text, rank_pools
+from mp_harness import RankPool, error_text, rank_pools, run_ranks
+from test_nccl_gpu import MULTI_RANK_ENV, on_nccl, two_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -346,3 +347,47 @@ def test_comm_hook_usage_errors(solo):
     with pytest.raises(RuntimeError, match="join"):
         bucketer.join()
     assert comm.log == []               # every refusal came before anything was sent
+
+
+def _gpu_compress_bucketed(comm):
+    """Two buckets of CuPy gradients with PowerSGD as their comm hook: each step's results."""
+    import cupy
+
+    params = [cupy.zeros(s, cupy.float32) for s in SHAPES]
+    cap, first_cap = PLANS["two buckets"]
+    bucketer = Bucketer(comm, params, bucket_cap_bytes=cap, first_bucket_cap_bytes=first_cap,
+                        comm_hook=PowerSGD(comm, params, rank=3, start_step=2,
+                                           min_compression=0.1))
+    history = []
+    for step in range(1, 6):
+        grads = [cupy.asarray(g) for g in grads_of(comm.rank, step)]
+        bucketer.reduce(grads)
+        history.append([cupy.asnumpy(g) for g in grads])
+    return history, bucketer.buckets
+
+
+def _check_against_the_simulation(results):
+    want = simulate(2, 5, 3, 2)
+    for r, (history, buckets) in enumerate(results):
+        assert buckets == [[3, 2], [1, 0]]
+        for step in range(5):
+            for got, expected in zip(history[step], want[step][r]):
+                np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+def test_bucketed_cupy_gradients_equal_the_simulation():
+    """PowerSGD per bucket on CuPy arrays through the CPU backend (staged through host
+    memory)."""
+    ranks = RankPool(2)
+    try:
+        _check_against_the_simulation(ranks.run(_gpu_compress_bucketed))
+    finally:
+        ranks.close()
+
+
+@pytest.mark.gpu
+@two_ranks
+def test_bucketed_over_nccl_two_ranks_on_one_gpu():
+    _check_against_the_simulation(run_ranks(on_nccl, 2, _gpu_compress_bucketed, init=False,
+                                            env=MULTI_RANK_ENV, timeout=240))
