@@ -51,6 +51,72 @@ def test_gpucoll_device_overrides_the_local_rank(run, emu, monkeypatch, tmp_path
         gpucoll.init(backend="nccl", rank=0, world_size=1, url=f"file://{tmp_path}/s", timeout=5)
 
 
+@pytest.mark.parametrize("version, enabled, outcome", [
+    (22809, "1", "refused before NCCL"), (23203, None, "refused before NCCL"),
+    (23203, "1", "runs")], ids=["nccl-2.28", "variable-unset", "nccl-2.32-enabled"])
+def test_two_ranks_on_one_gpu_as_nccl_allows(monkeypatch, tmp_path, version, enabled, outcome):
+    """Two local ranks, one GPU: NCCL refuses that with an opaque "invalid usage" unless it is
+    2.30 or later with NCCL_MULTI_RANK_GPU_ENABLE=1 (seen on an H100 with NCCL 2.28.9);
+    gpucoll says why before NCCL is called, and runs it where NCCL allows it."""
+    import threading
+
+    from emulated_cuda import Emulation
+    from gpucoll import cuda_env
+
+    one = Emulation(device_count=1, timeout=5.0)
+    one.nccl_version = version
+    monkeypatch.setattr(cuda_env, "_LOADED", (one.cupy, one.nccl))
+    monkeypatch.delenv("GPUCOLL_DEVICE", raising=False)
+    if enabled:
+        monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", enabled)
+    else:
+        monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    results = [None, None]
+
+    def rank(r):
+        try:
+            with gpucoll.init(backend="nccl", rank=r, world_size=2, url=f"file://{tmp_path}/s",
+                              timeout=5) as comm:
+                x = one.cupy.asarray(np.full(3, r + 1.0, np.float32))
+                # a stream each: rank threads of the emulation share a device's null stream,
+                # where processes on a real GPU have a context, and a null stream, each
+                stream = one.cupy.cuda.Stream(non_blocking=True)
+                comm.all_reduce(x, stream=stream)
+                stream.synchronize()
+                results[r] = ("ran", comm.device, x.get().tolist())
+        except Exception as exc:
+            results[r] = (type(exc).__name__, str(exc))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if outcome == "runs":
+        assert results == [("ran", 0, [3.0, 3.0, 3.0])] * 2
+        return
+    for r, (kind, message) in enumerate(results):
+        assert kind == "BackendUnavailableError", results
+        assert message.startswith(f"rank {r}: 2 ranks on this host share 1 GPU(s); NCCL needs "
+                                  f"one GPU per rank (or NCCL >= 2.30 with "
+                                  f"NCCL_MULTI_RANK_GPU_ENABLE=1); use backend='cpu'"), message
+    assert one.calls["NcclCommunicator"] == 0
+
+
+def test_a_refused_shared_gpu_gets_a_hint(run, emu, monkeypatch):
+    """Ranks put on one GPU by GPUCOLL_DEVICE (gpucoll cannot know beforehand): NCCL's
+    refusal comes with what would allow it."""
+    monkeypatch.setenv("GPUCOLL_DEVICE", "0")
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    with pytest.raises(AssertionError) as info:
+        run(2, lambda comm: None)
+    message = str(info.value)
+    assert "ncclCommInitRank failed on GPU 0" in message and "Duplicate GPU" in message
+    assert "if two ranks share GPU 0: NCCL allows that from 2.30 with " \
+           "NCCL_MULTI_RANK_GPU_ENABLE=1 (this is NCCL code 23203, the variable is unset)" \
+           in message, message
+
+
 # ---------------------------------------------------------------- reductions
 @pytest.mark.parametrize("n", SIZES)
 def test_reductions_every_dtype_op_and_root(run, emu, n):

@@ -68,13 +68,9 @@ def _mpi_details() -> Dict[str, Any]:
 
 def shared_gpu_reason(local_size: Optional[int]) -> Optional[str]:
     """Why NCCL cannot give each of ``local_size`` ranks on this host a GPU (None: it can)."""
-    count = cuda_env.device_count()
-    if local_size is None or local_size <= count:
-        return None
-    if config.get("NCCL_MULTI_RANK_GPU_ENABLE") and cuda_env.nccl_version_code() >= 23000:
-        return None
-    return (f"{local_size} ranks on this host share {count} GPU(s); NCCL needs one GPU per rank "
-            f"(or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    from .nccl_runtime import shared_gpu_reason as reason
+
+    return reason(local_size, cuda_env.device_count(), cuda_env.nccl_version_code())
 
 
 register_backend(

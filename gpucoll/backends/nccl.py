@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import cuda_env
 from ..communicator import Communicator
-from ..errors import CommAbortedError, CommTimeoutError, GpucollError
+from ..errors import BackendUnavailableError, CommAbortedError, CommTimeoutError, GpucollError
 from ..rendezvous import hosts
 from ..rendezvous.best_effort import ABORT_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
@@ -108,6 +108,11 @@ class NCCLCommunicator(NCCLCollectives, ProgressReports, ExactAllToAllV, Grouped
         self.local_rank, self.local_size = _local
         count = cupy.cuda.runtime.getDeviceCount()
         if device is None:
+            shared = nccl_runtime.shared_gpu_reason(self.local_size, count,
+                                                   self._nccl.get_version())
+            if shared is not None:  # NCCL would refuse it with an opaque "invalid usage"
+                raise BackendUnavailableError(f"rank {rank}: {shared}; use backend='cpu' (CuPy "
+                                              f"arrays staged through host memory) or more GPUs")
             device = self.local_rank % count
         if not 0 <= device < count:
             raise ValueError(f"rank {rank}: GPU {device} does not exist ({count} visible; "

@@ -45,6 +45,21 @@ def nccl_op(nccl: Any, op: ReduceOp) -> int:
                         f"use the cpu backend for bitwise reductions") from None
 
 
+#: The first NCCL that lets several ranks share a GPU (with NCCL_MULTI_RANK_GPU_ENABLE=1).
+MULTI_RANK_GPU_NCCL = 23000
+
+
+def shared_gpu_reason(local_size: Optional[int], count: int, nccl_code: int) -> Optional[str]:
+    """Why NCCL cannot give each of ``local_size`` ranks on a host with ``count`` GPUs a GPU
+    of its own or let them share (None: it can), with NCCL version code ``nccl_code``."""
+    if local_size is None or local_size <= count:
+        return None
+    if config.get("NCCL_MULTI_RANK_GPU_ENABLE") and nccl_code >= MULTI_RANK_GPU_NCCL:
+        return None
+    return (f"{local_size} ranks on this host share {count} GPU(s); NCCL needs one GPU per rank "
+            f"(or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+
+
 def create_communicator(store, rank: int, size: int, device: int, timeout: float,
                         key: str = "nccl/unique_id") -> Any:
     """A ``cupy.cuda.nccl.NcclCommunicator`` for ``rank`` of ``size`` on GPU ``device``.
@@ -69,8 +84,14 @@ def create_communicator(store, rank: int, size: int, device: int, timeout: float
     except CommTimeoutError:
         raise
     except Exception as error:
+        hint = ""
+        if "INVALID_USAGE" in str(error):  # NCCL's answer to two ranks on one GPU, among others
+            enabled = "set" if config.get("NCCL_MULTI_RANK_GPU_ENABLE") else "unset"
+            hint = (f"; if two ranks share GPU {device}: NCCL allows that from 2.30 with "
+                    f"NCCL_MULTI_RANK_GPU_ENABLE=1 (this is NCCL code {nccl.get_version()}, "
+                    f"the variable is {enabled})")
         raise BackendUnavailableError(
-            f"rank {rank}: ncclCommInitRank failed on GPU {device}: {error} (run with "
+            f"rank {rank}: ncclCommInitRank failed on GPU {device}: {error}{hint} (run with "
             f"NCCL_DEBUG=INFO for NCCL's own log; `gpucoll doctor` checks the installation)") \
             from error
 

@@ -42,6 +42,9 @@ The model
     (the lone call, or ``groupEnd``) waits until the peer has made the host call of its first
     receive from it, and the other way round (NVIDIA/nccl#783).
 
+    Two ranks of one communicator on one device are refused as NCCL does ("Duplicate GPU"),
+    unless ``emu.nccl_version`` is 2.30 or later and ``NCCL_MULTI_RANK_GPU_ENABLE=1``.
+
     Arguments are checked as NCCL would (datatype, op, counts, root and peer in range, buffers
     inside device memory of the communicator's GPU, known streams) and nonsense raises
     ``NcclError``; ranks that issue different collectives (name, count, datatype, op, root)

@@ -106,6 +106,7 @@ class _Clique:
         self.channels: Dict[Tuple[int, int], collections.deque] = \
             collections.defaultdict(collections.deque)
         self.aborted: Optional[str] = None
+        self.refused: Optional[str] = None  # why ncclCommInitRank failed for every rank
         # lazy point-to-point connections: the sides asked for, ("send" | "recv", src, dst),
         # and the links (src, dst) whose both sides were asked for
         self.sides: set = set()
@@ -143,13 +144,21 @@ class NcclCommunicator:
                                                   f"rank passed ndev={clique.size} with this id")
             if rank in clique.members:
                 raise NcclError(INVALID_ARGUMENT, f"rank {rank} joined this unique id twice")
+            shared_ok = (emu.nccl_version >= 23000
+                         and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1")
             for other, other_device in clique.devices.items():
-                if other_device == device:
-                    raise NcclError(INVALID_USAGE, f"Duplicate GPU detected: rank {rank} and "
-                                                   f"rank {other} both on CUDA device {device}")
+                if other_device == device and not shared_ok:
+                    # NCCL finds it once every rank has joined, so each of them fails
+                    clique.refused = (f"Duplicate GPU detected: rank {rank} and rank {other} "
+                                      f"both on CUDA device {device}")
+                    emu.cond.notify_all()
+                    raise NcclError(INVALID_USAGE, clique.refused)
             self._setup(clique, rank, device)
             emu.cond.notify_all()
-            if not emu.cond.wait_for(lambda: len(clique.members) == ndev, emu.timeout):
+            emu.cond.wait_for(lambda: len(clique.members) == ndev or clique.refused, emu.timeout)
+            if clique.refused:
+                raise NcclError(INVALID_USAGE, clique.refused)
+            if len(clique.members) != ndev:
                 missing = sorted(set(range(ndev)) - set(clique.members))
                 raise NcclError(SYSTEM_ERROR, f"ncclCommInitRank: ranks {missing} did not join "
                                               f"within {emu.timeout:g} s (did every rank pass "
