@@ -479,6 +479,7 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, Batch
             CommAbortedError: the communicator is closed or aborted.
             CommTimeoutError: rank 0 did not decide in time (it died: ``shrink()``).
             UnsupportedOperationError: the backend cannot add ranks (MPI).
+            ValueError: a bad argument, or a group made by split / new_group / host_group.
 
         Example (rank 2 of 4 was lost and the launcher started its replacement)::
 

@@ -21,6 +21,7 @@ class Groups:
 
     # ------------------------------------------------------------------ world ranks
     _world_ranks: Optional[Tuple[int, ...]] = None  # set on communicators made by split
+    _subgroup = False  # made by split / new_group / host_group (or shrunk from one)
 
     @property
     def ranks(self) -> List[int]:
@@ -64,6 +65,13 @@ class Groups:
         if child is not None:
             ranks = self.ranks
             child._world_ranks = tuple(ranks[m] for m in members)
+            child._subgroup = self._subgroup  # a shrunk group is still a group
+        return child
+
+    @staticmethod
+    def _group(child: Optional["Groups"]) -> Optional["Groups"]:
+        if child is not None:
+            child._subgroup = True
         return child
 
     # ------------------------------------------------------------------ new groups
@@ -87,7 +95,7 @@ class Groups:
             raise ValueError(f"key={key} is out of range: keys must be in [-2**31, 2**31)")
         if color is not None and color < 0:
             color = None
-        return self._split(color, self.rank if key is None else key)
+        return self._group(self._split(color, self.rank if key is None else key))
 
     @traced(describe_nothing)
     def new_group(self, ranks: Sequence[int]) -> Optional["Groups"]:
@@ -103,7 +111,7 @@ class Groups:
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"new_group: ranks must be a non-empty list of distinct ranks, got {ranks}")
         if self.rank in ranks:
-            return self._split(0, ranks.index(self.rank))
+            return self._group(self._split(0, ranks.index(self.rank)))
         return self._split(None, 0)
 
     @traced(describe_nothing)
@@ -120,7 +128,7 @@ class Groups:
         Close it (or use it as a context manager) before this one.
         """
         self._check_alive()
-        return self._host_group()
+        return self._group(self._host_group())
 
     # ------------------------------------------------------------------ backend hooks
     def _split(self, color: Optional[int], key: int) -> Optional["Groups"]:

@@ -156,18 +156,29 @@ def rank_grow_alone(comm):
             comm.grow(min_size=bad)
         except ValueError as exc:
             errors.append(str(exc))
+    # a group of the job's ranks is no place for newcomers: refused, nothing sent
+    groups = [comm.split(0), comm.new_group(list(range(comm.size))), comm.host_group()]
+    for group in groups:
+        try:
+            group.grow()
+        except ValueError as exc:
+            errors.append(str(exc))
+        group.close()
     return same, len(left), x, errors
 
 
 def test_grow_with_nobody_waiting_returns_the_same_communicator(pool):
     n = pool.world_size
-    for same, left, x, errors in pool.run(rank_grow_alone):
+    for r, (same, left, x, errors) in enumerate(pool.run(rank_grow_alone)):
         assert same == [True] * 5
         assert left == 5                      # no decision key stays in the store
         np.testing.assert_array_equal(x, np.full(3, float(n)))
         assert errors == [f"timeout must be a positive number of seconds, got {bad!r}"
                           for bad in (0, -1.0, "5", True)] + [
-                          f"min_size must be an int >= 0, got {bad!r}" for bad in (-1, 2.0, True)]
+                          f"min_size must be an int >= 0, got {bad!r}" for bad in (-1, 2.0, True)] \
+            + [f"rank {r}: grow() adds ranks to the job's communicator, not to a group made by "
+               f"split / new_group / host_group: grow that one, then make the groups again "
+               f"from the grown communicator"] * 3
 
 
 def test_grow_on_a_closed_communicator_is_refused():

@@ -19,6 +19,11 @@ def grow_communicator(comm: Any, timeout: float, min_size: int,
     """The communicator of ``comm``'s members and every rank waiting to join, or ``comm``
     itself when none waits. ``make(comm_id, rank, size)`` builds the backend's communicator
     (not owning the store: the grown one takes over ``comm``'s ownership afterwards)."""
+    if comm._subgroup:  # the newcomers wait to join the job, not one of its groups
+        raise ValueError(
+            f"rank {comm.rank}: grow() adds ranks to the job's communicator, not to a group "
+            f"made by split / new_group / host_group: grow that one, then make the groups "
+            f"again from the grown communicator")
     comm._grows = getattr(comm, "_grows", 0) + 1
     number = comm._grows
     growth = agree_on_growth(comm._store, comm._root_store, comm.rank, comm.ranks,
