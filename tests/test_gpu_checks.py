@@ -51,6 +51,9 @@ def test_every_step_names_a_script_or_module_that_exists(tmp_path):
             if word == "-m" and step.argv[i + 1:i + 2] and step.argv[i + 1].startswith("gpucoll."):
                 assert importlib.util.find_spec(step.argv[i + 1]), f"{step.name}: {step.argv[i + 1]}"
         assert all(str(tmp_path) in w for w in step.argv if w.endswith((".json", ".xml")))
+    assert all("-n" not in s.argv for s in steps)  # no pytest-xdist unless asked
+    tests = [s for s in checks.plan(str(tmp_path), workers=3) if s.phase == "tests"]
+    assert tests and all(s.argv[-2:] == ["-n", "3"] for s in tests)
     training = [s for s in steps if "gpucoll.examples.train_digits" in s.argv]
     assert training and all(s.argv[-2:] == ["--data", "digits.npz"] for s in training)
     proc = _cli("--list", "--out", str(tmp_path))
@@ -60,7 +63,8 @@ def test_every_step_names_a_script_or_module_that_exists(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [(["--phase", "tests,nope"], "unknown phase"),
-                                           (["--budget", "0"], "--budget must be positive")])
+                                           (["--budget", "0"], "--budget must be positive"),
+                                           (["--workers", "-1"], "--workers must be 0 or more")])
 def test_usage_errors_exit_2(args, message):
     proc = _cli(*args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -420,6 +420,29 @@ def test_two_ranks_on_one_gpu_exchange_large_arrays_with_sendrecv():
         [(True, True)] * 2
 
 
+def _first_receive_after_sends(comm):
+    """Rank 0 sends twice, then groups its first receive from rank 1 with a third send; rank 1
+    sends only once that third message arrived. NCCL connects 1 -> 0 inside rank 0's group
+    call, which waits for rank 1's first send: connected first, it runs (GPipe's pattern)."""
+    import cupy
+
+    comm.connect_peers([1 - comm.rank])
+    comm.connect_peers([1 - comm.rank])  # the second time: nothing to do
+    if comm.rank == 0:
+        comm.isend(cupy.full(4, 1.0), 1)
+        comm.isend(cupy.full(4, 2.0), 1)
+        return cupy.asnumpy(comm.sendrecv(cupy.full(4, 3.0), 1, cupy.zeros(4), 1)).tolist()
+    got = [cupy.asnumpy(comm.recv(cupy.zeros(4), 0)).tolist() for _ in range(3)]
+    comm.send(cupy.full(4, 9.0), 0)
+    return got
+
+
+@two_ranks
+def test_two_ranks_on_one_gpu_connect_peers_before_an_asymmetric_exchange():
+    assert run_ranks(on_nccl, 2, _first_receive_after_sends, init=False, env=MULTI_RANK_ENV,
+                     timeout=240) == [[9.0] * 4, [[1.0] * 4, [2.0] * 4, [3.0] * 4]]
+
+
 def _batch_halo(comm):
     """A periodic halo exchange of two ranks: both faces go to the one neighbour, both come
     from it; 32 MiB of float32 each message, all four in one NCCL group."""
