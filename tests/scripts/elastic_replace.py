@@ -11,15 +11,13 @@ replacement's death record was cleared when it joined) and all-reduces once more
 """
 
 import json
-import os
-import signal
 import sys
 import time
 
 import numpy as np
 
 import gpucoll
-from gpucoll.errors import CommAbortedError, CommTimeoutError, PeerError
+from elastic_loss import all_reduce_until_a_rank_dies  # beside this script
 
 victim, kill_step = (int(word) for word in sys.argv[1:3])
 comm = gpucoll.init(backend="cpu", timeout=30)
@@ -27,16 +25,7 @@ if comm.joined:   # the replacement: admitted by the survivors' grow()
     print("JOINED " + json.dumps({"rank": comm.rank, "size": comm.size, "ranks": comm.ranks,
                                   "joined": list(comm.joined)}), flush=True)
 else:
-    x = np.ones(1024)
-    for step in range(200):
-        if comm.rank == victim and step == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        try:
-            comm.all_reduce(x)
-        except (PeerError, CommTimeoutError, CommAbortedError):
-            break
-    else:
-        raise SystemExit(f"rank {comm.rank}: the loop ended without a failure")
+    all_reduce_until_a_rank_dies(comm, np.ones(1024), victim, kill_step)
     old, comm = comm, comm.shrink()
     old.close()
     calls, deadline = 0, time.monotonic() + 20

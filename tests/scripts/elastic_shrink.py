@@ -9,27 +9,16 @@ rank on the new communicator and prints ``SHRUNK {json}`` with what it saw.
 """
 
 import json
-import os
-import signal
 import sys
 
 import numpy as np
 
 import gpucoll
-from gpucoll.errors import CommAbortedError, CommTimeoutError, PeerError
+from elastic_loss import all_reduce_until_a_rank_dies  # beside this script
 
 victim, kill_step, slow_rank = (int(word) for word in sys.argv[1:4])
 comm = gpucoll.init(backend="cpu", timeout=60)  # a dead rank must not be waited for this long
-x = np.ones(4096)
-for step in range(200):
-    if comm.rank == victim and step == kill_step:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        comm.all_reduce(x)
-    except (PeerError, CommTimeoutError, CommAbortedError):
-        break
-else:
-    raise SystemExit(f"rank {comm.rank}: the loop ended without a failure")
+all_reduce_until_a_rank_dies(comm, np.ones(4096), victim, kill_step)
 if comm.rank == slow_rank:
     import time
 
