@@ -55,7 +55,7 @@ from gpucoll.rendezvous.memory_store import MemoryStore  # noqa: E402
 
 # what gpucoll reads of an array on the collectives' paths (and a little more)
 _CACHED = ("data", "flags", "device", "shape", "dtype", "size", "nbytes", "ndim", "itemsize",
-           "strides")
+           "strides", "_c_contiguous")
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv",
        "barrier")
 _INSTRUCTION_CALLS = (1000, 6000)  # --instructions: two runs, their difference per call

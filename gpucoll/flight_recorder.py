@@ -40,11 +40,14 @@ from typing import Any, Callable, Dict, List, Optional
 from .errors import GpucollError, UnsupportedOperationError
 from .work import Work
 
-__all__ = ["Recorder", "NOT_STARTED", "recorder_of", "traced", "read", "dump"]
+__all__ = ["Recorder", "NOT_STARTED", "recorder_of", "record_failure", "RECORD_WORK",
+           "RECORD_PENDING", "traced", "read", "dump"]
 
 # a record is a list (the cheapest thing to build on every call); its fields:
 _NUMBER, _OP, _ARGS, _ISSUED, _FINISHED, _STATE, _WORK = range(7)
 _PENDING, _DONE = "pending", "done"
+# for a backend that leaves a record itself, as the NCCL backend's one-pass all_reduce does
+RECORD_WORK, RECORD_PENDING = _WORK, _PENDING
 _USAGE_ERRORS = (TypeError, ValueError, UnsupportedOperationError)
 _MESSAGE_CHARS = 200  # of an error message, in a failed record's state
 _DUMPS_PER_COMMUNICATOR = 2  # the abort, then the failed operation's error
@@ -109,6 +112,17 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS - 3] + "..."
 
 
+def record_failure(comm: Any, recorder: Recorder, record: list, exc: BaseException) -> None:
+    """The operation of ``record`` raised ``exc``: a usage error withdraws the record, any other
+    error fails it (a gpucoll error also dumps the trace)."""
+    if isinstance(exc, _USAGE_ERRORS):
+        recorder.withdraw(record, exc)
+        return
+    _fail(record, exc)
+    if isinstance(exc, GpucollError):
+        dump(comm, f"{record[_OP]} #{record[_NUMBER]} failed: {type(exc).__name__}: {exc}")
+
+
 def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
     """Record every call of a public operation (see the module doc).
 
@@ -136,13 +150,8 @@ def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
             recorder.records.append(record)
             try:
                 result = method(self, *args, **kwargs)
-            except _USAGE_ERRORS as exc:
-                recorder.withdraw(record, exc)
-                raise
             except BaseException as exc:
-                _fail(record, exc)
-                if isinstance(exc, GpucollError):
-                    dump(self, f"{op} #{record[_NUMBER]} failed: {type(exc).__name__}: {exc}")
+                record_failure(self, recorder, record, exc)
                 raise
             enqueued = self._enqueued  # read and cleared: no dict pop per call (hot path)
             if enqueued is not None:

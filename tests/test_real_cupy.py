@@ -242,3 +242,25 @@ def test_auto_falls_back_to_cpu_and_nccl_says_why(tmp_path, monkeypatch):
         gc.init(backend="nccl", rank=0, world_size=1, url=f"file://{tmp_path / 'store2'}",
                 timeout=30)
     assert "device" in str(info.value).lower() or "driver" in str(info.value).lower()
+
+
+def test_the_attributes_the_fast_paths_read_mean_the_same_in_the_emulation():
+    """The NCCL backend's one-pass all_reduce and the bucket kernels read CuPy's own
+    ``ndarray._c_contiguous`` and ``data.device_id`` / ``data.ptr`` (no Flags or Device object
+    per call). Private names are not in the walk above: here a real CuPy array over host memory
+    (no GPU needed) and the emulation's array of the same layout answer alike."""
+    from cupy.cuda import memory
+
+    emu = Emulation(device_count=2)
+    host = np.zeros((4, 6), np.float32)
+    owner = memory.UnownedMemory(host.ctypes.data, host.nbytes, host, device_id=1)
+    real = cupy.ndarray(host.shape, host.dtype, memptr=memory.MemoryPointer(owner, 0))
+    with emu.cupy.cuda.Device(1):
+        emulated = emu.cupy.zeros((4, 6), np.float32)
+    for name, view in (("whole", lambda a: a), ("rows", lambda a: a[1:3]),
+                       ("strided", lambda a: a[:, ::2]), ("reversed", lambda a: a[::-1])):
+        ours, theirs = view(emulated), view(real)
+        assert ours._c_contiguous == theirs._c_contiguous == theirs.flags.c_contiguous, name
+        assert ours.data.device_id == theirs.data.device_id == 1, name
+        assert ours.data.ptr - emulated.data.ptr == theirs.data.ptr - real.data.ptr, name
+    assert real[1:3]._c_contiguous and not real[:, ::2]._c_contiguous

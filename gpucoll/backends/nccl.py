@@ -51,6 +51,7 @@ from . import nccl_runtime, signature
 from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
 from .nccl_collectives import NCCLCollectives
+from .nccl_fast import FastAllReduce
 from .growing import grow_communicator
 from .nccl_grouped import GroupedPointToPoint
 from .nccl_progress import ProgressReports
@@ -60,8 +61,8 @@ from .watchdog import CudaFault, Pending, Watchdog, event_status
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
 
-class NCCLCommunicator(NCCLCollectives, ProgressReports, ExactAllToAllV, GroupedPointToPoint,
-                       Communicator):
+class NCCLCommunicator(FastAllReduce, NCCLCollectives, ProgressReports, ExactAllToAllV,
+                       GroupedPointToPoint, Communicator):
     """Communicator over GPU arrays, one GPU per rank, NCCL underneath.
 
     Attributes (besides the Communicator ones):
@@ -286,33 +287,48 @@ class NCCLCommunicator(NCCLCollectives, ProgressReports, ExactAllToAllV, Grouped
                                self._event_done)
         pending.comm = self
         watchdog = self._watchdog
-        watchdog.enter_host_call(pending)
+        watchdog.enter_host_call(pending)  # NCCL may block inside: held to the deadline
         try:
             launch(*args, ptr)
-        except GpucollError:
-            raise
-        except Exception as exc:  # NcclError raised while enqueueing
-            if self._failure is not None:  # the watchdog gave up on this very call first
-                raise self._error() from exc
-            message = f"rank {self.rank}: {name} #{number}: NCCL refused the call: {exc}"
-            self._fail("error", message, None)
-            raise CommAbortedError(message) from exc
-        finally:
+        except BaseException as exc:
             watchdog.leave_host_call()
-        if self._failure is not None:  # the call returned only after the watchdog gave up
-            raise self._error()
-        event = self._events.pop() if self._events else self._new_event()
-        self._runtime.eventRecord(event.ptr, ptr)
-        pending.event = event
-        watchdog.track(pending)
+            error = self._refused(name, number, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        watchdog.leave_host_call()
+        self._track(pending, ptr)
         if async_op:
-            return CudaWork(self, name, number, event, result, peer)
+            return CudaWork(self, name, number, pending.event, result, peer)
         self._enqueued = pending  # for the flight recorder's record
         return result
 
     def _next_seq(self) -> int:
         """The number of the next collective; ``_enqueue`` takes it once the call is valid."""
         return self._seq + 1
+
+    def _refused(self, name: str, number: int, exc: BaseException) -> BaseException:
+        """The error to raise for ``exc``, raised by the NCCL call of ``name`` #``number``: a
+        gpucoll error or an interrupt as it is; else the failure the watchdog found first, or
+        NCCL's refusal, which fails the communicator."""
+        if isinstance(exc, GpucollError) or not isinstance(exc, Exception):
+            return exc
+        if self._failure is not None:  # the watchdog gave up on this very call first
+            return self._error()
+        message = f"rank {self.rank}: {name} #{number}: NCCL refused the call: {exc}"
+        self._fail("error", message, None)
+        return CommAbortedError(message)
+
+    def _track(self, pending: EnqueuedCall, ptr: int) -> None:
+        """After the NCCL call of ``pending`` returned: an event recorded on stream ``ptr``
+        after it, which the watchdog follows (unless the watchdog gave up on the call while
+        the host was inside it)."""
+        if self._failure is not None:
+            raise self._error()
+        event = self._events.pop() if self._events else self._new_event()
+        self._runtime.eventRecord(event.ptr, ptr)
+        pending.event = event
+        self._watchdog.track(pending)
 
     def _debug_check(self, name: str, seq: int, dtype, shape, op: Optional[ReduceOp] = None,
                      root: int = -1) -> None:

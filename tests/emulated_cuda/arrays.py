@@ -62,6 +62,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
     itemsize = property(lambda self: self._a.itemsize)
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: _Flags(self._a, self._owndata))
+    _c_contiguous = property(lambda self: self._a.flags.c_contiguous)  # CuPy's own flag
 
     @property
     def data(self) -> _MemoryPointer:

@@ -1,0 +1,218 @@
+"""The NCCL backend's one-pass ``all_reduce`` (gpucoll/backends/nccl_fast.py) over the CUDA
+emulation: it takes the training step's call once the (dtype, op) pair is known, and every call
+gets what the general path gives it: the same result, flight recorder records, sequence
+numbers, NCCL calls and errors. Each case runs twice, once with the one-pass path and once with
+it replaced by the general path, and the two runs are compared; results also against NumPy.
+"""
+
+import collections
+import threading
+
+import numpy as np
+import pytest
+
+from gpucoll.backends.nccl_fast import FastAllReduce
+from gpucoll.communicator import Communicator
+from gpucoll.errors import CommAbortedError, CommTimeoutError
+from gpucoll.types import ReduceOp
+
+from nccl_emulated_harness import _calls, _expected, _host, _wait_until, emu, run  # noqa: F401
+
+pytestmark = pytest.mark.timeout(60)
+
+PATHS = ["one-pass", "general"]
+
+
+def _paths(monkeypatch, run, n, fn, **options):
+    """``run(n, fn)`` with each path: {path: (rank results, calls that took the one pass)}."""
+    outcomes = {}
+    for name in PATHS:
+        taken = []
+        with monkeypatch.context() as patch:
+            if name == "general":
+                patch.setattr(FastAllReduce, "all_reduce", Communicator.all_reduce)
+            else:
+                one_pass = FastAllReduce._all_reduce_in_one_pass
+
+                def counted(self, x, ptr, translated, one_pass=one_pass, taken=taken):
+                    taken.append((self.rank, x.dtype.name, x.shape))
+                    return one_pass(self, x, ptr, translated)
+
+                patch.setattr(FastAllReduce, "_all_reduce_in_one_pass", counted)
+            outcomes[name] = run(n, lambda comm: fn(comm, taken), **options), taken
+    return outcomes
+
+
+def _records(comm):
+    return [(e["number"], e["op"], e["state"], e["bytes"], e["dtype"], e["shape"])
+            for e in comm.trace()]
+
+
+def _nccl_calls(emu, comm):
+    """The NCCL calls ``comm`` made, without their addresses (they differ between runs)."""
+    return [(name, args.get("datatype"), args.get("count"), args.get("op"), args.get("root"),
+             args.get("send") == args.get("recv")) for name, args in _calls(emu, comm)]
+
+
+# (dtype, op as passed, shape): each pair twice or more, the op named as users name it
+SEQUENCE = [("float32", "sum", (5,)), ("float32", "sum", (5,)), ("float32", "SUM", (2, 3)),
+            ("float32", ReduceOp.SUM, (7,)), ("float32", "max", (4,)), ("float32", "max", (4,)),
+            ("float16", "avg", (6,)), ("float16", "avg", (6,)), ("int32", "prod", (3,)),
+            ("int32", ReduceOp.PROD, (3,)), ("float64", "min", (2, 2)),
+            ("float64", "min", (2, 2)), ("complex64", "avg", (3,)), ("complex64", "avg", (3,)),
+            ("float32", "sum", (0, 3)), ("float32", "sum", (5,))]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_one_pass_path_gives_what_the_general_path_gives(run, emu, n, monkeypatch):
+    monkeypatch.setenv("GPUCOLL_TRACE_BUFFER", "64")
+    cp = emu.cupy
+
+    def fn(comm, taken):
+        got = []
+        for i, (dtype, op, shape) in enumerate(SEQUENCE):
+            x = cp.asarray(_host(i, comm.rank, shape, dtype, _name(op)))
+            assert comm.all_reduce(x, op) is x
+            got.append(x.get())
+        comm.synchronize()
+        return got, _records(comm), comm._seq, _nccl_calls(emu, comm)
+
+    outcomes = _paths(monkeypatch, run, n, fn)
+    for i, (dtype, op, shape) in enumerate(SEQUENCE):  # against NumPy
+        stacked = np.stack([_host(i, r, shape, dtype, _name(op)) for r in range(n)])
+        expected = _expected(stacked, _name(op))
+        rtol = 2e-3 if dtype == "float16" else 1e-6
+        for results, _ in outcomes.values():
+            for r in range(n):
+                np.testing.assert_allclose(results[r][0][i], expected, rtol=rtol,
+                                           err_msg=f"call {i}, rank {r}")
+    (results, taken), (general, untaken) = outcomes["one-pass"], outcomes["general"]
+    # all but each rank's first call, which starts the flight recorder (a pair's first call
+    # is checked in full, then takes the one pass)
+    assert len(taken) == n * (len(SEQUENCE) - 1), taken
+    assert untaken == []
+    records, seq, calls = results[0][1:]
+    assert seq == len(SEQUENCE) and len(calls) == len(SEQUENCE)
+    assert [r[:3] for r in records] == [(i + 1, "all_reduce", "done")
+                                        for i in range(len(SEQUENCE))]
+    assert [r[5] for r in records] == [list(shape) for _, _, shape in SEQUENCE]
+    # records (but their times), sequence numbers and NCCL calls: the general path's
+    assert [result[1:] for result in results] == [result[1:] for result in general]
+
+
+def _name(op):
+    return op.value if isinstance(op, ReduceOp) else op.lower()
+
+
+def test_calls_the_one_pass_path_leaves_to_the_general_path(run, emu, monkeypatch):
+    """After float32 / sum is known: out=, async_op, an explicit stream, a strided array, an
+    array on another GPU, another current device, GPUCOLL_DEBUG, a closed communicator."""
+    cp = emu.cupy
+
+    def outcome(call):
+        try:
+            value = call()
+        except (TypeError, ValueError, CommAbortedError) as exc:
+            return type(exc).__name__, str(exc)
+        if hasattr(value, "wait"):
+            value.wait()
+            value = value.result()
+        return value.get().tolist()
+
+    def fn(comm, taken):
+        x = cp.ones(4, dtype=cp.float32)
+        comm.all_reduce(x)  # the pair is known from here on
+        before = len(taken)
+        other = (comm.device + 1) % emu.device_count
+        with cp.cuda.Device(other):
+            elsewhere = cp.ones(4, dtype=cp.float32)
+        y = cp.full(4, 2.0, dtype=cp.float32)
+        cases = [
+            lambda: comm.all_reduce(cp.ones(4, dtype=cp.float32),
+                                    out=cp.zeros(4, dtype=cp.float32)),
+            lambda: comm.all_reduce(cp.ones(4, dtype=cp.float32), async_op=True),
+            lambda: comm.all_reduce(cp.ones(4, dtype=cp.float32), stream=cp.cuda.Stream()),
+            lambda: comm.all_reduce(cp.ones((4, 4), dtype=cp.float32)[:, ::2]),
+            lambda: comm.all_reduce(elsewhere),
+        ]
+        seen = [outcome(case) for case in cases]
+        with cp.cuda.Device(other):  # runs on the communicator's GPU all the same
+            seen.append(outcome(lambda: comm.all_reduce(y)))
+        comm._debug = True  # GPUCOLL_DEBUG: the ranks' signatures are compared first
+        seen.append(outcome(lambda: comm.all_reduce(cp.ones(4, dtype=cp.float32))))
+        comm._debug = False
+        comm.synchronize()
+        left_alone = len(taken) - before
+        records = _records(comm)
+        comm.close()
+        seen.append(outcome(lambda: comm.all_reduce(x)))
+        return seen, records, left_alone
+
+    outcomes = _paths(monkeypatch, run, 2, fn)
+    for results, _ in outcomes.values():
+        for rank, (seen, records, left_alone) in enumerate(results):
+            assert left_alone == 0
+            assert seen[:3] == [[2.0] * 4] * 3, seen
+            assert seen[3] == [[2.0, 2.0]] * 4 or seen[3][0] == "ValueError", seen[3]
+            assert seen[4][0] == "ValueError" and "is on GPU" in seen[4][1], seen[4]
+            assert seen[5:7] == [[4.0] * 4, [2.0] * 4], seen
+            assert seen[7] == ("CommAbortedError", f"rank {rank}: communicator is closed")
+            assert all(r[1] == "all_reduce" and r[2] == "done" for r in records), records
+    assert outcomes["one-pass"][0] == outcomes["general"][0]
+
+
+def test_nccl_refusing_a_one_pass_call_fails_it_and_its_record(run, emu, monkeypatch):
+    monkeypatch.setenv("GPUCOLL_WATCHDOG_INTERVAL", "60")  # NCCL's refusal names the error
+    cp = emu.cupy
+
+    def fn(comm, taken):
+        x = cp.ones(4, dtype=cp.float32)
+        comm.all_reduce(x)  # #1
+        comm.synchronize()
+        comm.nccl_comm.abort()  # behind gpucoll's back: NCCL refuses what comes next
+        with pytest.raises(CommAbortedError, match=r"rank 0: all_reduce #2: NCCL refused the "
+                                                   r"call: NCCL_ERROR_INVALID_ARGUMENT"):
+            comm.all_reduce(x)
+        with pytest.raises(CommAbortedError, match="NCCL refused the call"):
+            comm.all_reduce(x)  # the communicator failed: the general path says so
+        return [(r[0], r[1], r[2].split(":")[0]) for r in _records(comm)], len(taken)
+
+    outcomes = _paths(monkeypatch, run, 1, fn)
+    for name, ([(records, count)], _) in outcomes.items():
+        assert records == [(1, "all_reduce", "done"), (2, "all_reduce", "failed"),
+                           (3, "all_reduce", "failed")], (name, records)
+        assert count == (1 if name == "one-pass" else 0), name
+
+
+def test_a_stalled_one_pass_call_times_out_by_name(run, emu, monkeypatch):
+    """A call on a stalled current stream whose peer never comes: the watchdog names it, its
+    record fails, and the next call raises the timeout."""
+    cp = emu.cupy
+
+    finished = collections.defaultdict(threading.Event)  # one per run: rank 0 is done
+
+    def fn(comm, taken):
+        x = cp.ones(8, dtype=cp.float32)
+        comm.all_reduce(x)  # #1 on both ranks
+        comm.synchronize()
+        if comm.rank == 1:
+            assert finished[id(taken)].wait(10)  # never issues #2
+            return None
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            emu.stall(stream)
+            with stream:
+                comm.all_reduce(x)  # #2: enqueued, never completes
+            assert _wait_until(lambda: comm.nccl_comm._status == "aborted")
+            with pytest.raises(CommTimeoutError) as info:
+                comm.all_reduce(x)
+            return str(info.value), [r[2].split(":")[0] for r in _records(comm)], len(taken)
+        finally:
+            finished[id(taken)].set()
+
+    outcomes = _paths(monkeypatch, run, 2, fn, timeout=0.5)
+    for name, ([(message, states, count), _], _) in outcomes.items():
+        assert "rank 0: all_reduce #2 did not complete on GPU 0 within 0.5 s" in message, \
+            (name, message)
+        assert states == ["done", "failed", "failed"], (name, states)
+        assert count == (1 if name == "one-pass" else 0), name
