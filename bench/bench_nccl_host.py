@@ -96,7 +96,8 @@ def setup():
     comm = NCCLCommunicator(MemoryStore(), 0, 2, comm_id="bench", timeout=60,
                             _nccl_comm=_NoopComm(), _local=(0, 1))
     comm._new_event = _DoneEvent
-    comm._runtime = types.SimpleNamespace(getDevice=lambda: 0, eventRecord=lambda e, s: None)
+    comm._runtime = types.SimpleNamespace(getDevice=lambda: 0, eventRecord=lambda e, s: None,
+                                          streamIsCapturing=lambda s: False)
     comm._event_done = lambda event: True   # the watchdog's event query: the no-op event is done
     current = types.SimpleNamespace(ptr=0)
     emu.cupy.cuda.get_current_stream = lambda: current

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional
 from .errors import GpucollError, UnsupportedOperationError
 from .work import Work
 
-__all__ = ["Recorder", "NOT_STARTED", "recorder_of", "record_failure", "RECORD_WORK",
+__all__ = ["Recorder", "NOT_STARTED", "CAPTURED", "recorder_of", "record_failure", "RECORD_WORK",
            "RECORD_PENDING", "traced", "read", "dump"]
 
 # a record is a list (the cheapest thing to build on every call); its fields:
@@ -48,6 +48,10 @@ _NUMBER, _OP, _ARGS, _ISSUED, _FINISHED, _STATE, _WORK = range(7)
 _PENDING, _DONE = "pending", "done"
 # for a backend that leaves a record itself, as the NCCL backend's one-pass all_reduce does
 RECORD_WORK, RECORD_PENDING = _WORK, _PENDING
+# what a GPU backend leaves in ``comm._enqueued`` for a call captured into a CUDA graph: its
+# record says "captured" (the graph's launches run it; ``launch_graph`` records each launch)
+CAPTURED = object()
+_CAPTURED = "captured"
 _USAGE_ERRORS = (TypeError, ValueError, UnsupportedOperationError)
 _MESSAGE_CHARS = 200  # of an error message, in a failed record's state
 _DUMPS_PER_COMMUNICATOR = 2  # the abort, then the failed operation's error
@@ -160,6 +164,9 @@ def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
                 record[_WORK] = result
             elif returns_works and result:
                 record[_WORK] = result[0]  # each stands for the whole batch
+            elif enqueued is CAPTURED:
+                record[_FINISHED] = _now()
+                record[_STATE] = _CAPTURED
             elif enqueued is not None:  # a GPU call that returned once enqueued
                 record[_WORK] = enqueued
             else:

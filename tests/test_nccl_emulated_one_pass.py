@@ -34,9 +34,9 @@ def _paths(monkeypatch, run, n, fn, **options):
             else:
                 one_pass = FastAllReduce._all_reduce_in_one_pass
 
-                def counted(self, x, ptr, translated, one_pass=one_pass, taken=taken):
+                def counted(self, x, ptr, translated, stream, one_pass=one_pass, taken=taken):
                     taken.append((self.rank, x.dtype.name, x.shape))
-                    return one_pass(self, x, ptr, translated)
+                    return one_pass(self, x, ptr, translated, stream)
 
                 patch.setattr(FastAllReduce, "_all_reduce_in_one_pass", counted)
             outcomes[name] = run(n, lambda comm: fn(comm, taken), **options), taken

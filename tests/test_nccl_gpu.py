@@ -2,7 +2,7 @@
 
 One GPU: every collective on a 1-rank communicator for every dtype and op, usage errors before
 anything is enqueued, the watchdog on a deliberately stalled stream, DLPack and torch tensors,
-asynchronous Work and streams. Two ranks on one GPU when NCCL >= 2.30 allows it
+asynchronous Work and streams, a CUDA graph of collectives. Two ranks on one GPU when NCCL >= 2.30 allows it
 (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS capped), in real processes under a hard timeout:
 the collectives, a large ``sendrecv`` both ways at once and a ``batch_isend_irecv`` halo
 exchange; three such ranks, one SIGKILLed, for ``shrink()``.
@@ -276,6 +276,33 @@ def test_watchdog_aborts_a_stalled_operation(tmp_path):
 
 
 # ---------------------------------------------------------------- two ranks on one GPU
+def test_a_cuda_graph_replays_captured_collectives(comm):
+    """A CuPy kernel and NCCL collectives captured on a stream run at each launch and not
+    before; ``launch_graph`` holds each launch to the watchdog; the records say so."""
+    import cupy
+
+    x = cupy.arange(8, dtype=cupy.float32)
+    gathered = cupy.zeros((1, 8), dtype=cupy.float32)
+    comm.all_reduce(x)  # the one-pass path knows float32 / sum: it must not take the capture
+    comm.all_reduce(x)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        x *= 2
+        comm.all_reduce(x)
+        comm.all_gather(x, out=gathered)
+        graph = stream.end_capture()
+    assert cupy.asnumpy(x).tolist() == list(range(8))  # nothing ran
+    assert [e["state"] for e in comm.trace()[-2:]] == ["captured"] * 2
+    for _ in range(3):
+        comm.launch_graph(graph, stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(x), np.arange(8) * 8.0)
+    np.testing.assert_array_equal(cupy.asnumpy(gathered), [np.arange(8) * 8.0])
+    comm.synchronize()
+    assert [e["state"] for e in comm.trace()[-3:]] == ["done"] * 3
+
+
 def _nccl_version():
     try:
         from cupy.cuda import nccl
@@ -441,6 +468,44 @@ def _first_receive_after_sends(comm):
 def test_two_ranks_on_one_gpu_connect_peers_before_an_asymmetric_exchange():
     assert run_ranks(on_nccl, 2, _first_receive_after_sends, init=False, env=MULTI_RANK_ENV,
                      timeout=240) == [[9.0] * 4, [[1.0] * 4, [2.0] * 4, [3.0] * 4]]
+
+
+def _graph_replays(comm):
+    """Both ranks capture an all_reduce, a broadcast and a send / recv, then launch the graph
+    three times; the results after each launch, against NumPy in the test."""
+    import cupy
+
+    rank, peer = comm.rank, 1 - comm.rank
+    x = cupy.full(1024, rank + 1.0, dtype=cupy.float32)
+    b = cupy.full(16, 5.0 if rank == 0 else 0.0)
+    sent, got = cupy.full(32, 7 + rank, dtype=cupy.int32), cupy.zeros(32, dtype=cupy.int32)
+    comm.connect_peers([peer])  # connected before the capture, so its host calls do not wait
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        comm.all_reduce(x)
+        comm.broadcast(b, root=0)
+        comm.sendrecv(sent, peer, got, peer)
+        graph = stream.end_capture()
+    untouched = float(cupy.asnumpy(x)[0])
+    seen = []
+    for _ in range(3):
+        comm.launch_graph(graph, stream=stream)
+        stream.synchronize()
+        seen.append(float(cupy.asnumpy(x)[0]))
+    return (untouched, seen, float(cupy.asnumpy(b).sum()), int(cupy.asnumpy(got)[0]),
+            [e["state"] for e in comm.trace()[-3:]])
+
+
+@two_ranks
+def test_two_ranks_on_one_gpu_replay_a_cuda_graph_of_collectives():
+    results = run_ranks(on_nccl, 2, _graph_replays, init=False, env=MULTI_RANK_ENV,
+                        timeout=240)
+    for rank, (untouched, seen, b_sum, got, states) in enumerate(results):
+        assert untouched == rank + 1.0  # nothing ran at capture
+        assert seen == [3.0, 6.0, 12.0], seen  # each launch sums the two ranks' x
+        assert b_sum == 80.0 and got == 7 + (1 - rank)
+        assert states == ["done"] * 3, states
 
 
 def _batch_halo(comm):

@@ -41,7 +41,9 @@ import numpy as np
 
 from .. import cuda_env
 from ..communicator import Communicator
-from ..errors import BackendUnavailableError, CommAbortedError, CommTimeoutError, GpucollError
+from ..errors import (BackendUnavailableError, CommAbortedError, CommTimeoutError, GpucollError,
+                      UnsupportedOperationError)
+from ..flight_recorder import CAPTURED
 from ..rendezvous import hosts
 from ..rendezvous.best_effort import ABORT_BUDGET, best_effort
 from ..rendezvous.store import PrefixStore, Store
@@ -52,6 +54,7 @@ from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
 from .nccl_collectives import NCCLCollectives
 from .nccl_fast import FastAllReduce
+from .nccl_graphs import GraphLaunches
 from .growing import grow_communicator
 from .nccl_grouped import GroupedPointToPoint
 from .nccl_progress import ProgressReports
@@ -61,8 +64,8 @@ from .watchdog import CudaFault, Pending, Watchdog, event_status
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
 
-class NCCLCommunicator(FastAllReduce, NCCLCollectives, ProgressReports, ExactAllToAllV,
-                       GroupedPointToPoint, Communicator):
+class NCCLCommunicator(FastAllReduce, NCCLCollectives, GraphLaunches, ProgressReports,
+                       ExactAllToAllV, GroupedPointToPoint, Communicator):
     """Communicator over GPU arrays, one GPU per rank, NCCL underneath.
 
     Attributes (besides the Communicator ones):
@@ -274,6 +277,12 @@ class NCCLCommunicator(FastAllReduce, NCCLCollectives, ProgressReports, ExactAll
                                      check=check, args=args, _current=True)
         cupy = self._cupy
         ptr = cupy.cuda.get_current_stream().ptr if stream is None else stream_pointer(cupy, stream)
+        capturing = self._runtime.streamIsCapturing(ptr)
+        if capturing and async_op:
+            raise UnsupportedOperationError(
+                self.backend, f"{name} with async_op=True in a CUDA graph capture",
+                "its Work would wait for an event that the capture never completes; capture "
+                "the blocking call, which only enqueues")
         collective = seq is not None
         if collective:
             number = self._seq = seq  # taken only now: a usage error must not use up a number
@@ -297,6 +306,11 @@ class NCCLCommunicator(FastAllReduce, NCCLCollectives, ProgressReports, ExactAll
                 raise
             raise error from exc
         watchdog.leave_host_call()
+        if capturing:  # recorded into the graph, run by its launches: nothing to follow now
+            if self._failure is not None:
+                raise self._error()
+            self._enqueued = CAPTURED
+            return result
         self._track(pending, ptr)
         if async_op:
             return CudaWork(self, name, number, pending.event, result, peer)

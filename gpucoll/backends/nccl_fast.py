@@ -12,8 +12,8 @@ sequence number, event and errors are the general path's.
 
 The general path takes every other call: ``out=``, ``async_op``, an explicit stream, another
 array type, a pair whose checks fail (the general path names the error), GPUCOLL_DEBUG,
-another current device, and a communicator that failed, closed or has not started its recorder
-(its first call).
+another current device, a stream capturing a CUDA graph, and a communicator that failed,
+closed or has not started its recorder (its first call).
 """
 
 from __future__ import annotations
@@ -52,9 +52,12 @@ class FastAllReduce:
             if translated is not None and x._c_contiguous and not self._debug:
                 data = x.data
                 if data.device_id == self.device and self._failure is None and \
-                        not self._closed and self._recorder is not NOT_STARTED and \
-                        self._runtime.getDevice() == self.device:
-                    return self._all_reduce_in_one_pass(x, data.ptr, translated)
+                        not self._closed and self._recorder is not NOT_STARTED:
+                    runtime = self._runtime
+                    stream = self._cupy.cuda.get_current_stream().ptr
+                    if runtime.getDevice() == self.device and \
+                            not runtime.streamIsCapturing(stream):
+                        return self._all_reduce_in_one_pass(x, data.ptr, translated, stream)
         return Communicator.all_reduce(self, x, op, out=out, async_op=async_op, stream=stream)
 
     def _learn_pair(self, x: Any, op: Any) -> Optional[Tuple[int, int, int]]:
@@ -79,7 +82,8 @@ class FastAllReduce:
                 return None
         return translated
 
-    def _all_reduce_in_one_pass(self, x: Any, ptr: int, translated: Tuple[int, int, int]):
+    def _all_reduce_in_one_pass(self, x: Any, ptr: int, translated: Tuple[int, int, int],
+                                stream: int):
         """What the general path does for this call, inline (``_enqueue``'s steps)."""
         recorder = self._recorder
         if recorder is not None:  # the flight recorder's record, as the decorator leaves it
@@ -89,7 +93,6 @@ class FastAllReduce:
             recorder.records.append(record)
         dtype, per_element, reduce_op = translated
         number = self._seq = self._seq + 1
-        stream = self._cupy.cuda.get_current_stream().ptr
         pending = EnqueuedCall("all_reduce", number, _monotonic() + self.timeout, None, None,
                                True, self._events, stream, self._event_done)
         pending.comm = self

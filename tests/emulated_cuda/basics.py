@@ -57,7 +57,11 @@ class NcclError(RuntimeError):
 
 CUDA_ERROR_NAMES = {600: "cudaErrorNotReady: device not ready",
                     700: "cudaErrorIllegalAddress: an illegal memory access was encountered",
-                    719: "cudaErrorLaunchFailure: unspecified launch failure"}
+                    719: "cudaErrorLaunchFailure: unspecified launch failure",
+                    900: "cudaErrorStreamCaptureUnsupported: operation not permitted when "
+                         "stream is capturing",
+                    907: "cudaErrorCapturedEvent: operation not permitted on an event last "
+                         "recorded in a capturing stream"}
 
 
 class CUDARuntimeError(RuntimeError):

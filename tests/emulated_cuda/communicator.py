@@ -273,6 +273,8 @@ class NcclCommunicator:
         if emu._group_depth() > 0:
             raise NcclError(INVALID_USAGE, f"emulation: {name} inside groupStart()/groupEnd() "
                                            f"is not emulated")
+        if emu._captured(state, lambda target: self._collective(name, target, **args)):
+            return  # a kernel node: each launch issues the collective anew
         number = self._ncoll
         self._ncoll += 1
         emu.calls[name] += 1
@@ -345,8 +347,11 @@ class NcclCommunicator:
         if emu._group_depth() > 0:
             emu._local.group.append((self, state, op))
         else:
-            self._connect([op])
-            emu._submit(state, lambda: self._run_p2p([op]), on_error=self._set_async_error)
+            self._connect([op])  # at capture too: the host call connects
+            run = lambda target: emu._submit(target, lambda: self._run_p2p([op]),  # noqa: E731
+                                             on_error=self._set_async_error)
+            if not emu._captured(state, run):
+                run(state)
 
     def _connect(self, ops: List[tuple]) -> None:
         """NCCL connects two ranks lazily, one direction at a time, inside the host call of

@@ -21,6 +21,7 @@ class _StreamState:
         self.stalled = False
         self.running = False
         self.fault: Optional[int] = None  # a CUDA error its held work fails with (inject_fault)
+        self.capture: Optional["Graph"] = None  # the graph it is capturing into (begin_capture)
 
 
 # ---------------------------------------------------------------------- CUDA objects
@@ -94,6 +95,29 @@ class Stream:
     def wait_event(self, event) -> None:
         self._emu.stream_wait_event(self.ptr, event.ptr)
 
+    def begin_capture(self, mode=None) -> None:
+        """Work enqueued from now on is recorded into a graph instead of run (CuPy's default
+        mode, relaxed); ``end_capture()`` returns the graph."""
+        if self.ptr == 0:
+            raise RuntimeError("cannot capture on the default (legacy) stream; use a "
+                               "non-default stream instead")
+        state = self._emu._state(self.ptr)
+        with self._emu.lock:
+            if state.capture is not None:
+                raise CUDARuntimeError("cudaErrorIllegalState: the stream is already capturing")
+            state.capture = Graph(self._emu)
+
+    def end_capture(self) -> "Graph":
+        state = self._emu._state(self.ptr)
+        with self._emu.lock:
+            graph, state.capture = state.capture, None
+        if graph is None:
+            raise CUDARuntimeError("cudaErrorIllegalState: the stream is not capturing")
+        return graph
+
+    def is_capturing(self) -> bool:
+        return self._emu.stream_is_capturing(self.ptr)
+
     def use(self) -> "Stream":
         stack = self._emu._stream_stack()
         if stack:
@@ -125,6 +149,7 @@ class Event:
         self.device_id = emu.current_device()
         self._recorded = 0
         self._completed = 0
+        self._captured = False  # last recorded on a capturing stream
         with emu.lock:
             emu._events[self.ptr] = self
 
@@ -140,7 +165,31 @@ class Event:
 
     def synchronize(self) -> None:
         emu = self._emu
+        if self._captured:
+            raise CUDARuntimeError(907)
         with emu.cond:
             if not emu.cond.wait_for(lambda: self._completed >= self._recorded, emu.timeout):
                 raise CUDARuntimeError(f"emulated: event {self.ptr:#x} not done within "
                                        f"{emu.timeout:g} s (is its stream stalled?)")
+
+
+class Graph:
+    """``cupy.cuda.graph.Graph``: the work captured on a stream, run again by each ``launch``.
+
+    Each node is a function of the stream state it runs on, which enqueues the captured work
+    there anew (a collective takes its place among the communicator's collectives at launch,
+    as a replayed NCCL kernel does)."""
+
+    def __init__(self, emu: "Emulation"):
+        self._emu = emu
+        self.nodes: List = []
+
+    def launch(self, stream=None) -> None:
+        emu = self._emu
+        ptr = emu.get_current_stream().ptr if stream is None else stream.ptr
+        state = emu._state(ptr)
+        if state.capture is not None:  # into a capture: the nodes join it
+            state.capture.nodes.extend(self.nodes)
+            return
+        for node in self.nodes:
+            node(state)

@@ -18,7 +18,7 @@ from .basics import (INVALID_ARGUMENT, INVALID_USAGE, MEMCPY_DEFAULT, MEMCPY_DEV
                      NCCL_CONSTANTS, NCCL_VERSION, REMOTE_ERROR, UNIQUE_ID_BYTES, CUDARuntimeError,
                      NcclError, _cuda_error, _index, _shape, _size_t)
 from .arrays import _Capsule, ndarray
-from .cuda_objects import Device, Event, Stream, _StreamState
+from .cuda_objects import Device, Event, Graph, Stream, _StreamState
 from .communicator import _Clique, NcclCommunicator
 
 
@@ -87,6 +87,7 @@ class Emulation:
                                                                                        event)
         runtime.memcpyAsync = emu.memcpy_async
         runtime.streamSynchronize = lambda stream: emu.synchronize_stream(stream)
+        runtime.streamIsCapturing = lambda stream: emu.stream_is_capturing(stream)
         runtime.deviceSynchronize = lambda: emu.synchronize_device(emu.current_device())
         runtime.deviceGetAttribute = lambda attrib, device: emu.device_get_attribute(attrib,
                                                                                     device)
@@ -110,6 +111,8 @@ class Emulation:
         cuda.Stream = stream_t
         cuda.Event = event_t
         cuda.get_current_stream = emu.get_current_stream
+        cuda.graph = types.ModuleType("cupy.cuda.graph")
+        cuda.graph.Graph = Graph
         stream_t.null = stream_t(null=True)
 
         cupy = types.ModuleType("cupy")
@@ -333,9 +336,18 @@ class Emulation:
         if state.device != event.device_id:
             raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: event {event_ptr:#x} of GPU "
                                    f"{event.device_id} recorded on {state.name}")
+        if state.capture is not None:  # an event node: recorded again by each launch
+            with self.lock:
+                event._captured = True
+            self._captured(state, lambda target: self._record(event, target))
+            return
+        self._record(event, state)
+
+    def _record(self, event: Event, state: _StreamState) -> None:
         with self.lock:
             event._recorded += 1
             event._stream_state = state
+            event._captured = False
             generation = event._recorded
 
         def complete() -> None:
@@ -347,6 +359,10 @@ class Emulation:
 
     def stream_wait_event(self, stream_ptr: int, event_ptr: int) -> None:
         state, event = self._state(stream_ptr), self._event(event_ptr)
+        if not self._captured(state, lambda target: self._wait_for(target, event)):
+            self._wait_for(state, event)
+
+    def _wait_for(self, state: _StreamState, event: Event) -> None:
         with self.lock:
             generation = event._recorded
             ready = lambda: event._completed >= generation  # noqa: E731
@@ -366,10 +382,28 @@ class Emulation:
             self._check_range(dst, size, state.device, "memcpyAsync dst", _cuda_error)
             self._check_range(src, size, state.device, "memcpyAsync src", _cuda_error)
         self.calls["memcpyAsync"] += 1
-        self._submit(state, lambda: ctypes.memmove(dst, src, size) if size else None)
+        copy = lambda: ctypes.memmove(dst, src, size) if size else None  # noqa: E731
+        if not self._captured(state, lambda target: self._submit(target, copy)):
+            self._submit(state, copy)
 
     def synchronize_stream(self, ptr: int) -> None:
-        self.wait_drained(self._state(ptr))
+        state = self._state(ptr)
+        if state.capture is not None:
+            raise CUDARuntimeError(900)
+        self.wait_drained(state)
+
+    def stream_is_capturing(self, ptr: int) -> bool:
+        """``cudaStreamIsCapturing``, as CuPy's ``runtime.streamIsCapturing``: a bool."""
+        return self._state(ptr).capture is not None
+
+    def _captured(self, state: _StreamState, node: Callable[[_StreamState], None]) -> bool:
+        """When ``state`` is capturing: ``node`` joins its graph, and each launch runs it on
+        the launch's stream (True); else False and the caller runs the work now."""
+        with self.lock:
+            graph = state.capture
+            if graph is not None:
+                graph.nodes.append(node)
+        return graph is not None
 
     def wait_drained(self, state: _StreamState) -> None:
         """Block (bounded) until everything enqueued on ``state`` has run."""
@@ -427,8 +461,10 @@ class Emulation:
         for comm, state, batch_ops in batches.values():
             comm._connect(batch_ops)
         for comm, state, batch_ops in batches.values():
-            self._submit(state, lambda c=comm, o=batch_ops: c._run_p2p(o),
-                         on_error=comm._set_async_error)
+            run = lambda target, c=comm, o=batch_ops: self._submit(  # noqa: E731
+                target, lambda: c._run_p2p(o), on_error=c._set_async_error)
+            if not self._captured(state, run):
+                run(state)
 
     # -------------------------------------------------------------- test hooks
     def stall(self, stream: Any, device: Optional[int] = None) -> None:
@@ -459,9 +495,12 @@ class Emulation:
         self._pump_all()
 
     def event_query(self, event_ptr: int) -> int:
-        """``cudaEventQuery``: 0 when done, 600 (not ready) while the work before it runs, or
-        the error of a faulted stream (see :meth:`inject_fault`); never raises, as CuPy's."""
+        """``cudaEventQuery``: 0 when done, 600 (not ready) while the work before it runs, the
+        error of a faulted stream (see :meth:`inject_fault`), or 907 for an event last recorded
+        in a capture; never raises, as CuPy's."""
         event = self._event(event_ptr)
+        if event._captured:
+            return 907
         with self.lock:
             if event._completed >= event._recorded:
                 return 0

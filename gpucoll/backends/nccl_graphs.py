@@ -1,0 +1,64 @@
+"""CUDA graphs and the NCCL backend: collectives captured into a graph, and its launches.
+
+A training step captured into a CUDA graph (``stream.begin_capture()`` ... ``end_capture()``
+in CuPy) replays with one launch and no host work per kernel, which is where a small model's
+step spends most of its time. NCCL kernels can be captured: a blocking ``all_reduce``,
+``broadcast``, ``reduce``, ``all_gather``, ``reduce_scatter``, ``send``, ``recv`` or
+``sendrecv`` (and the grouped ``gather``, ``scatter``, ``all_to_all``) issued on a capturing
+stream is recorded into the graph instead of run. A graph holds the addresses of the arrays
+it was captured with: they must stay alive, and a launch reads and writes them again. Nothing of it runs at capture, so gpucoll records no event and the
+watchdog follows nothing; its flight recorder record says ``"captured"``.
+
+Each launch of the graph runs the captured collectives again, and every rank must launch its
+graph as it would issue the collectives. A plain ``graph.launch(stream)`` is outside gpucoll's
+view: a rank that never launches leaves the others' kernels waiting with no timeout.
+:meth:`GraphLaunches.launch_graph` launches the graph as one collective of the communicator,
+followed by the watchdog and the flight recorder like any other: a launch that does not finish
+within the timeout fails the communicator with an error that names it.
+
+What cannot be captured says so before anything is enqueued: ``async_op=True`` (its Work
+waits for an event the capture never completes) and ``barrier`` (it waits on the host).
+Composite calls that read sizes or objects on the host (``all_gather_v``, ``*_object``...)
+cannot be captured either; CUDA refuses their host copies during the capture.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..flight_recorder import describe_nothing, traced
+
+__all__ = ["GraphLaunches"]
+
+
+class GraphLaunches:
+    """Mixin of :class:`~gpucoll.backends.nccl.NCCLCommunicator` (uses its ``_cupy``,
+    ``_enqueue`` and ``_seq``)."""
+
+    @traced(describe_nothing)
+    def launch_graph(self, graph: Any, *, stream: Any = None) -> None:
+        """Launch ``graph`` (a ``cupy.cuda.graph.Graph`` that captured collectives of this
+        communicator) on ``stream`` (a CuPy stream; default the current one), as one
+        collective: every rank launches its graph, in the same order as its other collectives.
+        Returns once enqueued, as a blocking collective does; the watchdog then holds the
+        launch to the communicator's timeout (see the module doc).
+
+        Example (two ranks)::
+
+            stream = cupy.cuda.Stream()
+            with stream:
+                stream.begin_capture()
+                comm.all_reduce(grads)          # recorded, not run
+                graph = stream.end_capture()
+            for step in range(steps):
+                ...                             # grads of this step
+                comm.launch_graph(graph, stream=stream)
+        """
+        if not callable(getattr(graph, "launch", None)):
+            raise TypeError(f"graph must be a cupy.cuda.graph.Graph (from "
+                            f"stream.end_capture()), got {type(graph).__name__}")
+        target = self._cupy.cuda.get_current_stream() if stream is None else stream
+        if not isinstance(getattr(target, "ptr", None), int):
+            raise TypeError(f"stream must be a CuPy stream, got {type(stream).__name__}")
+        self._enqueue("launch_graph", lambda ptr: graph.launch(target), target, False, None,
+                      seq=self._seq + 1)

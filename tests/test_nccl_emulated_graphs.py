@@ -1,0 +1,192 @@
+"""CUDA graphs on the NCCL backend over the CUDA emulation (gpucoll/backends/nccl_graphs.py):
+collectives captured on a stream run at each launch and not before, the watchdog follows
+nothing at capture and each ``launch_graph`` like a collective, and what cannot be captured
+is refused before anything is enqueued. Results against NumPy.
+
+Ranks are threads (see tests/nccl_emulated_harness.py); the emulation's graphs replay what was
+enqueued on the capturing stream (tests/emulated_cuda/). Real NCCL in a real graph is tested
+by tests/test_nccl_gpu.py.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gpucoll.errors import CommTimeoutError, UnsupportedOperationError
+
+from nccl_emulated_harness import _wait_until, emu, run  # noqa: F401
+
+pytestmark = pytest.mark.timeout(60)
+
+LAUNCHES = 3
+
+
+def _states(comm):
+    return [(e["op"], e["state"].split(":")[0]) for e in comm.trace()]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_captured_collectives_run_at_each_launch_and_not_before(run, emu, n, monkeypatch):
+    monkeypatch.setenv("GPUCOLL_TRACE_BUFFER", "64")
+    cp = emu.cupy
+
+    def fn(comm):
+        r = comm.rank
+        x = cp.full(4, r + 1.0, dtype=cp.float32)
+        comm.all_reduce(x)  # twice outside: the one-pass path knows float32 / sum
+        comm.all_reduce(x)
+        comm.synchronize()
+        x[...] = cp.full(4, r + 1.0, dtype=cp.float32)
+        b = cp.asarray(np.arange(3.0) * 10 if r == 0 else np.zeros(3))
+        chunk = cp.full(2, r + 1, dtype=cp.int32)
+        gathered = cp.zeros((n, 2), dtype=cp.int32)
+        rows = cp.asarray(np.arange(n * 2, dtype=np.float64).reshape(n, 2) + r)
+        scattered = cp.zeros(2)
+        message = cp.zeros(5, dtype=cp.int64)
+        sent = cp.arange(5, dtype=cp.int64) * 7  # alive while the graph is: it holds pointers
+        ring_out, ring_in = cp.full(3, 10 + r, dtype=cp.int16), cp.zeros(3, dtype=cp.int16)
+        stream = cp.cuda.Stream(non_blocking=True)
+        before = len(comm.trace())
+        with stream:
+            stream.begin_capture()
+            comm.all_reduce(x)
+            comm.broadcast(b, root=0)
+            comm.all_gather(chunk, out=gathered)
+            comm.reduce_scatter(rows, op="max", out=scattered)
+            if r == 0:
+                comm.send(sent, dst=n - 1)
+            elif r == n - 1:
+                comm.recv(message, src=0)
+            comm.sendrecv(ring_out, (r + 1) % n, ring_in, (r - 1) % n)  # a grouped exchange
+            graph = stream.end_capture()
+        captured = _states(comm)[before:]
+        nothing_ran = (x.get().tolist(), b.get().tolist(), gathered.get().tolist())
+        time.sleep(0.4)  # beyond the 0.3 s timeout: nothing captured is followed
+        snapshots = []
+        for _ in range(LAUNCHES):
+            comm.launch_graph(graph, stream=stream)
+            stream.synchronize()
+            snapshots.append(x.get().tolist())
+        comm.synchronize()
+        return (captured, nothing_ran, snapshots, b.get(), gathered.get(), scattered.get(),
+                message.get(), _states(comm)[-LAUNCHES:], ring_in.get().tolist())
+
+    results = run(n, fn, timeout=0.3)
+    expected_x = np.arange(1.0, n + 1)  # what each rank's x held before the capture
+    for r, (captured, nothing_ran, snapshots, b, gathered, scattered, message,
+            launches, ring_in) in enumerate(results):
+        ops = ["all_reduce", "broadcast", "all_gather", "reduce_scatter"] + \
+            (["send"] if r == 0 else ["recv"] if r == n - 1 else []) + ["sendrecv"]
+        assert captured == [(op, "captured") for op in ops], captured
+        assert nothing_ran == ([r + 1.0] * 4, (np.arange(3.0) * 10 if r == 0
+                                               else np.zeros(3)).tolist(), [[0, 0]] * n)
+        values = np.full(n, 0.0) + expected_x
+        for launch, got in enumerate(snapshots):  # each launch sums the ranks' x once more
+            values = np.full(n, values.sum())
+            assert got == [values[r]] * 4, (launch, got)
+        np.testing.assert_array_equal(b, np.arange(3.0) * 10)
+        np.testing.assert_array_equal(gathered, np.repeat(np.arange(1, n + 1), 2).reshape(n, 2))
+        rows = np.stack([np.arange(n * 2.0).reshape(n, 2) + q for q in range(n)])
+        np.testing.assert_array_equal(scattered, rows.max(axis=0)[r])
+        if r == n - 1:
+            np.testing.assert_array_equal(message, np.arange(5) * 7)
+        assert ring_in == [10 + (r - 1) % n] * 3, ring_in
+        assert launches == [("launch_graph", "done")] * LAUNCHES, launches
+
+
+def test_a_launch_that_a_rank_never_makes_times_out_by_name(run, emu):
+    cp = emu.cupy
+    finished = threading.Event()
+
+    def fn(comm):
+        x = cp.ones(8, dtype=cp.float32)
+        comm.all_reduce(x)  # #1 on both ranks
+        comm.synchronize()
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            comm.all_reduce(x)  # #2, captured
+            graph = stream.end_capture()
+        if comm.rank == 1:
+            assert finished.wait(10)  # never launches
+            return None
+        try:
+            emu.stall(stream)  # the launched kernels wait for rank 1, as on a GPU
+            started = time.monotonic()
+            comm.launch_graph(graph, stream=stream)  # #3: returns once enqueued
+            assert _wait_until(lambda: comm.nccl_comm._status == "aborted")
+            waited = time.monotonic() - started
+            with pytest.raises(CommTimeoutError) as info:
+                comm.all_reduce(x)
+            return str(info.value), waited, _states(comm)[-2:]
+        finally:
+            finished.set()
+
+    (message, waited, states), _ = run(2, fn, timeout=0.5)
+    assert "rank 0: launch_graph #3 did not complete on GPU 0 within 0.5 s" in message, message
+    assert "ranks that had not reached it: 1 (of 2)" in message, message
+    assert 0.4 <= waited < 4, waited
+    assert states == [("launch_graph", "failed"), ("all_reduce", "failed")], states
+
+
+def test_what_cannot_be_captured_is_refused_before_anything_is_enqueued(run, emu):
+    cp = emu.cupy
+
+    def fn(comm):
+        x = cp.ones(4, dtype=cp.float32)
+        comm.all_reduce(x)
+        seq, records = comm._seq, len(comm.trace())
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            with pytest.raises(UnsupportedOperationError,
+                               match=r"backend 'nccl' does not support all_reduce with "
+                                     r"async_op=True in a CUDA graph capture; .*capture the "
+                                     r"blocking call"):
+                comm.all_reduce(x, async_op=True)
+            with pytest.raises(UnsupportedOperationError,
+                               match="backend 'nccl' does not support barrier in a CUDA graph "
+                                     "capture; it waits on the host"):
+                comm.barrier()
+            graph = stream.end_capture()
+        assert graph.nodes == [] and comm._seq == seq and len(comm.trace()) == records
+        with pytest.raises(TypeError, match="graph must be a cupy.cuda.graph.Graph"):
+            comm.launch_graph(object())
+        with pytest.raises(TypeError, match="stream must be a CuPy stream, got int"):
+            comm.launch_graph(graph, stream=7)
+        assert comm._seq == seq
+        comm.launch_graph(graph)  # an empty graph on the current stream: a no-op collective
+        comm.synchronize()
+        return comm._seq - seq, _states(comm)[-1]
+
+    assert run(2, fn) == [(1, ("launch_graph", "done"))] * 2
+
+
+def test_the_emulations_capture_refuses_what_cuda_refuses(emu):
+    """The model the tests above run on: an event recorded in a capture cannot be queried or
+    waited for (cudaErrorCapturedEvent, 907) until recorded outside one, a capturing stream
+    cannot be synchronized (cudaErrorStreamCaptureUnsupported, 900), the legacy null stream
+    cannot capture, and nothing captured runs until a launch."""
+    cp, runtime = emu.cupy, emu.cupy.cuda.runtime
+    with pytest.raises(RuntimeError, match="cannot capture on the default"):
+        cp.cuda.Stream.null.begin_capture()
+    stream, event = cp.cuda.Stream(non_blocking=True), cp.cuda.Event()
+    src, dst = cp.arange(4, dtype=cp.float32), cp.zeros(4, dtype=cp.float32)
+    stream.begin_capture()
+    assert stream.is_capturing() and runtime.streamIsCapturing(stream.ptr)
+    assert not runtime.streamIsCapturing(cp.cuda.Stream.null.ptr)
+    runtime.memcpyAsync(dst.data.ptr, src.data.ptr, 16, runtime.memcpyDeviceToDevice,
+                        stream.ptr)
+    event.record(stream)
+    assert runtime.eventQuery(event.ptr) == 907
+    with pytest.raises(RuntimeError, match="cudaErrorCapturedEvent"):
+        event.synchronize()
+    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
+        stream.synchronize()
+    graph = stream.end_capture()
+    assert not stream.is_capturing() and dst.get().tolist() == [0.0] * 4
+    graph.launch(stream)
+    stream.synchronize()
+    assert dst.get().tolist() == [0.0, 1.0, 2.0, 3.0] and runtime.eventQuery(event.ptr) == 0
