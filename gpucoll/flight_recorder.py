@@ -3,8 +3,9 @@
 Each public operation of a :class:`gpucoll.Communicator` leaves one record in a ring buffer of
 the last ``GPUCOLL_TRACE_BUFFER`` operations (0: nothing is recorded or allocated): its call
 number on this communicator (1, 2, ...), op, bytes, dtype and shape of its main array, root or
-peer, tag, when it was issued and finished, and its state: ``"done"``, ``"pending"`` or
-``"failed: <ErrorType>: <message>"``. ``comm.trace()`` reads it; with ``GPUCOLL_TRACE_DIR`` set,
+peer, tag, when it was issued and finished, and its state: ``"done"``, ``"pending"``,
+``"failed: <ErrorType>: <message>"`` or ``"captured"`` (a GPU call recorded into a CUDA graph,
+run by the graph's launches). ``comm.trace()`` reads it; with ``GPUCOLL_TRACE_DIR`` set,
 a rank writes it as JSON when its communicator is aborted (every timeout, dead peer and
 mismatch aborts it) and again when the operation that failed returns its error. Comparing the
 ranks' traces shows which rank is behind, and at which call.
