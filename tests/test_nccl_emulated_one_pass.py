@@ -1,7 +1,7 @@
-"""The NCCL backend's one-pass ``all_reduce`` (gpucoll/backends/nccl_fast.py) over the CUDA
-emulation: it takes the training step's call once the (dtype, op) pair is known, and every call
-gets what the general path gives it: the same result, flight recorder records, sequence
-numbers, NCCL calls and errors. Each case runs twice, once with the one-pass path and once with
+"""The NCCL backend's one-pass calls (gpucoll/backends/nccl_fast.py: all_reduce, broadcast,
+all_gather, reduce_scatter, send, recv) over the CUDA emulation: they take a training step's
+calls once their arguments are known good, and every call gets what the general path gives it:
+the same result, flight recorder records, sequence numbers, NCCL calls and errors. Each case runs twice, once with the one-pass path and once with
 it replaced by the general path, and the two runs are compared; results also against NumPy.
 """
 
@@ -11,16 +11,20 @@ import threading
 import numpy as np
 import pytest
 
-from gpucoll.backends.nccl_fast import FastAllReduce
+from gpucoll.backends.nccl_fast import OnePassCalls
 from gpucoll.communicator import Communicator
 from gpucoll.errors import CommAbortedError, CommTimeoutError
 from gpucoll.types import ReduceOp
 
 from nccl_emulated_harness import _calls, _expected, _host, _wait_until, emu, run  # noqa: F401
+from reference import reduce_reference
 
 pytestmark = pytest.mark.timeout(60)
 
 PATHS = ["one-pass", "general"]
+
+
+ONE_PASS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv")
 
 
 def _paths(monkeypatch, run, n, fn, **options):
@@ -30,22 +34,23 @@ def _paths(monkeypatch, run, n, fn, **options):
         taken = []
         with monkeypatch.context() as patch:
             if name == "general":
-                patch.setattr(FastAllReduce, "all_reduce", Communicator.all_reduce)
+                for op in ONE_PASS:
+                    patch.setattr(OnePassCalls, op, getattr(Communicator, op))
             else:
-                one_pass = FastAllReduce._all_reduce_in_one_pass
+                one_pass = OnePassCalls._one_pass
 
-                def counted(self, x, ptr, translated, stream, one_pass=one_pass, taken=taken):
-                    taken.append((self.rank, x.dtype.name, x.shape))
-                    return one_pass(self, x, ptr, translated, stream)
+                def counted(self, op, *args, one_pass=one_pass, taken=taken):
+                    taken.append((self.rank, op))
+                    return one_pass(self, op, *args)
 
-                patch.setattr(FastAllReduce, "_all_reduce_in_one_pass", counted)
+                patch.setattr(OnePassCalls, "_one_pass", counted)
             outcomes[name] = run(n, lambda comm: fn(comm, taken), **options), taken
     return outcomes
 
 
 def _records(comm):
-    return [(e["number"], e["op"], e["state"], e["bytes"], e["dtype"], e["shape"])
-            for e in comm.trace()]
+    return [(e["number"], e["op"], e["state"], e["bytes"], e["dtype"], e["shape"], e["root"],
+             e["peer"], e["tag"]) for e in comm.trace()]
 
 
 def _nccl_calls(emu, comm):
@@ -87,9 +92,13 @@ def test_the_one_pass_path_gives_what_the_general_path_gives(run, emu, n, monkey
                 np.testing.assert_allclose(results[r][0][i], expected, rtol=rtol,
                                            err_msg=f"call {i}, rank {r}")
     (results, taken), (general, untaken) = outcomes["one-pass"], outcomes["general"]
-    # all but each rank's first call, which starts the flight recorder (a pair's first call
-    # is checked in full, then takes the one pass)
-    assert len(taken) == n * (len(SEQUENCE) - 1), taken
+    # all but the first call of each dtype on each rank (the full checks run; the very first
+    # also starts the flight recorder); a new op of a known dtype is checked, then taken
+    # (the dtypes known are the process's: rank threads may have met one first)
+    dtypes = {dtype for dtype, _, _ in SEQUENCE}
+    for r in range(n):
+        count = sum(1 for rank, _ in taken if rank == r)
+        assert len(SEQUENCE) - len(dtypes) <= count <= len(SEQUENCE) - 1, taken
     assert untaken == []
     records, seq, calls = results[0][1:]
     assert seq == len(SEQUENCE) and len(calls) == len(SEQUENCE)
@@ -216,3 +225,117 @@ def test_a_stalled_one_pass_call_times_out_by_name(run, emu, monkeypatch):
             (name, message)
         assert states == ["done", "failed", "failed"], (name, states)
         assert count == (1 if name == "one-pass" else 0), name
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_one_pass_call_gives_what_the_general_path_gives(run, emu, n, monkeypatch):
+    """broadcast, all_gather and reduce_scatter into out=, send and recv, each several times
+    (roots, peers, tags and ops as users pass them): results against NumPy; records,
+    collective and point-to-point sequence numbers and NCCL calls against the general path."""
+    monkeypatch.setenv("GPUCOLL_TRACE_BUFFER", "128")
+    cp = emu.cupy
+
+    def fn(comm, taken):
+        r = comm.rank
+        got = []
+        comm.all_reduce(cp.ones(2, dtype=cp.float32))  # starts the recorder
+        for i in range(3):
+            for root in (0, n - 1, np.int64(1)):
+                b = cp.asarray(np.arange(4.0) + 10 * int(root) + i if r == int(root)
+                               else np.zeros(4))
+                assert comm.broadcast(b, root=root) is b
+                got.append(("broadcast", b.get()))
+            chunk = cp.asarray(np.full(3, r + i, dtype=np.int32))
+            out = cp.zeros((n, 3), dtype=cp.int32)
+            assert comm.all_gather(chunk, out=out) is out
+            got.append(("all_gather", out.get()))
+            for op in ("sum", "max", ReduceOp.SUM):
+                rows = cp.asarray(np.arange(n * 2, dtype=np.float32).reshape(n, 2) * (r + 1) + i)
+                part = cp.zeros(2, dtype=cp.float32)
+                assert comm.reduce_scatter(rows, op, out=part) is part
+                got.append(("reduce_scatter", part.get()))
+            right, left = (r + 1) % n, (r - 1) % n
+            message = cp.zeros(5, dtype=cp.int64)
+            if r % 2 == 0:
+                assert comm.send(cp.full(5, 100 * r + i, dtype=cp.int64), right, tag=i) is None
+                assert comm.recv(message, left, tag=i) is message
+            else:
+                assert comm.recv(message, left, tag=i) is message
+                assert comm.send(cp.full(5, 100 * r + i, dtype=cp.int64), right, tag=i) is None
+            got.append(("recv", message.get()))
+        comm.synchronize()
+        return got, _records(comm), comm._seq, comm._p2p_seq, _nccl_calls(emu, comm)
+
+    outcomes = _paths(monkeypatch, run, n, fn)
+    for results, _ in outcomes.values():  # against NumPy
+        for r, (got, *_) in enumerate(results):
+            expected = []
+            for i in range(3):
+                for root in (0, n - 1, 1):
+                    expected.append(np.arange(4.0) + 10 * root + i)
+                expected.append(np.stack([np.full(3, q + i) for q in range(n)]))
+                for op in ("sum", "max", "sum"):
+                    stacked = np.stack([np.arange(n * 2.0).reshape(n, 2) * (q + 1) + i
+                                        for q in range(n)])
+                    expected.append(reduce_reference(stacked, op)[r])
+                expected.append(np.full(5, 100 * ((r - 1) % n) + i))
+            assert len(got) == len(expected)
+            for (name, value), want in zip(got, expected):
+                np.testing.assert_allclose(value, want, rtol=1e-6, err_msg=name)
+    (results, taken), (general, untaken) = outcomes["one-pass"], outcomes["general"]
+    assert untaken == []
+    for r in range(n):  # every kind of call took the one pass, at least after its first
+        kinds = collections.Counter(op for rank, op in taken if rank == r)
+        assert kinds["broadcast"] >= 6 and kinds["all_gather"] >= 2, kinds
+        assert kinds["reduce_scatter"] >= 6 and kinds["send"] >= 2 and kinds["recv"] >= 2, kinds
+    assert [result[1:] for result in results] == [result[1:] for result in general]
+
+
+def test_one_pass_calls_leave_bad_arguments_to_the_general_path(run, emu, monkeypatch):
+    """After each call's arguments are known good, bad ones still get the general path's
+    error, before anything is enqueued (the same errors on both paths)."""
+    cp = emu.cupy
+
+    def outcome(call):
+        try:
+            value = call()
+        except (TypeError, ValueError) as exc:
+            return type(exc).__name__, str(exc)
+        return None if value is None else value.get().tolist()
+
+    def fn(comm, taken):
+        r, n = comm.rank, comm.size
+        x, rows = cp.ones(4, dtype=cp.float32), cp.ones((n, 2), dtype=cp.float32)
+        out, part = cp.zeros((n, 4), dtype=cp.float32), cp.zeros(2, dtype=cp.float32)
+        for _ in range(2):  # known good from here on
+            comm.all_reduce(x)
+            comm.broadcast(x, root=0)
+            comm.all_gather(x, out=out)
+            comm.reduce_scatter(rows, out=part)
+            if r == 0:
+                comm.send(x, 1)
+            else:
+                comm.recv(x, 0)
+        before, seq, p2p = len(taken), comm._seq, comm._p2p_seq
+        seen = [outcome(call) for call in (
+            lambda: comm.broadcast(x, root=n),
+            lambda: comm.broadcast(x, root=True),
+            lambda: comm.all_gather(x, out=cp.zeros((n, 3), dtype=cp.float32)),
+            lambda: comm.all_gather(x, out=cp.zeros((n, 4), dtype=cp.float64)),
+            lambda: comm.reduce_scatter(cp.ones((n + 1, 2), dtype=cp.float32), out=part),
+            lambda: comm.reduce_scatter(rows, out=cp.zeros(3, dtype=cp.float32)),
+            lambda: comm.reduce_scatter(rows, "band", out=part),
+            lambda: comm.send(x, r),
+            lambda: comm.send(x, 1 - r, tag=-1),
+            lambda: comm.recv(cp.ones((4, 4), dtype=cp.float32)[:, ::2], 1 - r),
+        )]
+        assert len(taken) == before and (comm._seq, comm._p2p_seq) == (seq, p2p)
+        comm.synchronize()
+        return seen
+
+    outcomes = _paths(monkeypatch, run, 2, fn)
+    seen = outcomes["one-pass"][0]
+    assert seen == outcomes["general"][0]
+    for errors in seen:
+        assert all(isinstance(e, tuple) and e[0] in ("TypeError", "ValueError")
+                   for e in errors), errors

@@ -53,7 +53,7 @@ from . import nccl_runtime, signature
 from .nccl_alltoallv import ExactAllToAllV
 from .nccl_arrays import export_like, import_device_array, stream_pointer
 from .nccl_collectives import NCCLCollectives
-from .nccl_fast import FastAllReduce
+from .nccl_fast import OnePassCalls
 from .nccl_graphs import GraphLaunches
 from .growing import grow_communicator
 from .nccl_grouped import GroupedPointToPoint
@@ -64,7 +64,7 @@ from .watchdog import CudaFault, Pending, Watchdog, event_status
 __all__ = ["NCCLCommunicator", "CudaWork"]
 
 
-class NCCLCommunicator(FastAllReduce, NCCLCollectives, GraphLaunches, ProgressReports,
+class NCCLCommunicator(OnePassCalls, NCCLCollectives, GraphLaunches, ProgressReports,
                        ExactAllToAllV, GroupedPointToPoint, Communicator):
     """Communicator over GPU arrays, one GPU per rank, NCCL underneath.
 

@@ -1,73 +1,158 @@
-"""The NCCL backend's one-pass ``all_reduce``, for the call a training step makes most.
+"""The NCCL backend's one-pass calls, for the calls a training step makes over and over.
 
-``comm.all_reduce(x)`` or ``comm.all_reduce(x, op)``: in place, blocking, on the caller's
-current stream, of a C-contiguous CuPy array on this communicator's GPU (a CuPy array is always
-writable). The first call of each (dtype, op) pair runs the checks of
-:meth:`Communicator.all_reduce` in full and remembers the pair's NCCL translation; from then on
-they are known to pass, so this path reads the array's flags once, translates dtype and op with
-one dictionary lookup and makes the NCCL call itself, instead of going through the flight
-recorder's decorator, the argument checks, the translation and ``_enqueue`` one layer at a
-time (about 40 % fewer host instructions per call). Its flight recorder record, watchdog entry,
-sequence number, event and errors are the general path's.
+``all_reduce(x[, op])`` and ``broadcast(x, root)`` in place, ``all_gather(x, out=)``,
+``reduce_scatter(x[, op], out=)``, ``send(x, dst)`` and ``recv(out, src)``: blocking, on the
+caller's current stream, of C-contiguous CuPy arrays on this communicator's GPU (a CuPy array
+is always writable). The first call with each dtype, (dtype, op) pair, root or peer runs the
+checks of :class:`~gpucoll.Communicator` in full and remembers what passed; from then on this path
+reads each array's flags once, looks the translation up once and makes the NCCL call itself,
+instead of going through the flight recorder's decorator, the argument checks, the
+translation and ``_enqueue`` one layer at a time (about 40 % fewer host instructions for
+``all_reduce``). Its flight recorder record, watchdog entry, sequence number, event and errors
+are the general path's.
 
-The general path takes every other call: ``out=``, ``async_op``, an explicit stream, another
-array type, a pair whose checks fail (the general path names the error), GPUCOLL_DEBUG,
-another current device, a stream capturing a CUDA graph, and a communicator that failed,
-closed or has not started its recorder (its first call).
+The general path takes every other call: ``async_op``, an explicit stream, ``out=None`` where
+the call would allocate, other array types, arguments whose checks fail (it names the error),
+GPUCOLL_DEBUG, another current device, a stream capturing a CUDA graph, and a communicator
+that failed, closed or has not started its recorder (its first call).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 from ..communicator import Communicator
 from ..flight_recorder import NOT_STARTED, RECORD_PENDING, RECORD_WORK, record_failure
-from ..types import ReduceOp, check_op_dtype
+from ..types import _CODE_OF as _ACCEPTED_DTYPES, ReduceOp, check_op_dtype
 from .nccl_work import EnqueuedCall
 
-__all__ = ["FastAllReduce"]
+__all__ = ["OnePassCalls"]
 
 _now = time.time
 _monotonic = time.monotonic
+_TAGS = 2 ** 32
 
 
-class FastAllReduce:
+class OnePassCalls:
     """Mixin of :class:`~gpucoll.backends.nccl.NCCLCommunicator` (uses its ``_cupy``,
-    ``device``, ``_runtime``, ``_debug``, ``_failure``, ``_closed``, ``_recorder``, ``_seq``,
-    ``_events``, ``_watchdog``, ``_array``, ``_reduction``, ``_refused``, ``_track`` and
-    ``nccl_comm``)."""
+    ``device``, ``size``, ``_runtime``, ``_debug``, ``_failure``, ``_closed``, ``_recorder``,
+    ``_seq``, ``_p2p_seq``, ``_events``, ``_event_done``, ``_watchdog``, ``_bytes_type``,
+    ``_array``, ``_root``, ``_peer``, ``_reduction``, ``_reductions``, ``_refused``, ``_track``
+    and ``nccl_comm``)."""
 
     _pairs: Optional[dict] = None  # (dtype, op as passed) -> (NCCL dtype, per element, NCCL op)
+    _ranks: Optional[dict] = None  # ("root" | "peer", value as passed) -> the checked int
 
+    # ------------------------------------------------------------------ the calls
     def all_reduce(self, x: Any, op: Union[ReduceOp, str] = "sum", *, out: Any = None,
                    async_op: bool = False, stream: Any = None):
-        # its docstring: Communicator.all_reduce's, set below
-        if out is None and not async_op and stream is None and \
-                isinstance(x, self._cupy.ndarray):
-            try:
-                translated = self._pairs[x.dtype, op]
-            except (KeyError, TypeError):  # TypeError: no pairs yet, or an unhashable op
-                translated = self._learn_pair(x, op)
-            if translated is not None and x._c_contiguous and not self._debug:
-                data = x.data
-                if data.device_id == self.device and self._failure is None and \
-                        not self._closed and self._recorder is not NOT_STARTED:
-                    runtime = self._runtime
-                    stream = self._cupy.cuda.get_current_stream().ptr
-                    if runtime.getDevice() == self.device and \
-                            not runtime.streamIsCapturing(stream):
-                        return self._all_reduce_in_one_pass(x, data.ptr, translated, stream)
+        if out is None and not async_op and stream is None:
+            current = self._one_pass_stream(x)
+            if current is not None:
+                try:  # _pair's lookup, inline: the hottest call
+                    translated = self._pairs[x.dtype, op]
+                except (KeyError, TypeError):
+                    translated = self._pair(x, op)
+            else:
+                translated = None
+            if translated is not None:
+                dtype, per_element, reduce_op = translated
+                ptr = x.data.ptr
+                return self._one_pass(
+                    "all_reduce", self.nccl_comm.allReduce,
+                    (ptr, ptr, per_element * x.size, dtype, reduce_op), current, x,
+                    (x.shape, x.dtype, None, None, None, None))
         return Communicator.all_reduce(self, x, op, out=out, async_op=async_op, stream=stream)
 
-    def _learn_pair(self, x: Any, op: Any) -> Optional[Tuple[int, int, int]]:
-        """The translation of (``x.dtype``, ``op``), remembered for later calls once the
-        general path's checks pass; None when they do not (the general path then names the
-        error), or when ``x`` is empty (its translation is not cached)."""
+    def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False, stream: Any = None):
+        if not async_op and stream is None:
+            current = self._one_pass_stream(x)
+            checked = None if current is None else self._rank_of("root", root)
+            if checked is not None:
+                ptr = x.data.ptr
+                return self._one_pass(
+                    "broadcast", self.nccl_comm.broadcast,
+                    (ptr, ptr, x.nbytes, self._bytes_type, checked), current, x,
+                    (x.shape, x.dtype, root, None, None, None))
+        return Communicator.broadcast(self, x, root, async_op=async_op, stream=stream)
+
+    def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
+                   stream: Any = None):
+        if out is not None and not async_op and stream is None:
+            current = self._one_pass_stream(x)
+            if current is not None and self._one_pass_stream(out) is not None and \
+                    out.dtype == x.dtype and out.shape == (self.size,) + x.shape:
+                return self._one_pass(
+                    "all_gather", self.nccl_comm.allGather,
+                    (x.data.ptr, out.data.ptr, x.nbytes, self._bytes_type), current, out,
+                    (x.shape, x.dtype, None, None, None, None))
+        return Communicator.all_gather(self, x, out=out, async_op=async_op, stream=stream)
+
+    def reduce_scatter(self, x: Any, op: Union[ReduceOp, str] = "sum", *, out: Any = None,
+                       async_op: bool = False, stream: Any = None):
+        if out is not None and not async_op and stream is None:
+            current = self._one_pass_stream(x)
+            shape = x.shape if current is not None else ()
+            if shape and shape[0] == self.size and self._one_pass_stream(out) is not None \
+                    and out.dtype == x.dtype and out.shape == shape[1:]:
+                translated = self._pair(x, op)
+                if translated is not None:
+                    dtype, per_element, reduce_op = translated
+                    return self._one_pass(
+                        "reduce_scatter", self.nccl_comm.reduceScatter,
+                        (x.data.ptr, out.data.ptr, per_element * x.size // self.size, dtype,
+                         reduce_op), current, out, (shape, x.dtype, None, None, None, None))
+        return Communicator.reduce_scatter(self, x, op, out=out, async_op=async_op,
+                                           stream=stream)
+
+    def send(self, x: Any, dst: int, *, tag: int = 0, stream: Any = None) -> None:
+        if stream is None and type(tag) is int and 0 <= tag < _TAGS:
+            current = self._one_pass_stream(x)
+            peer = None if current is None else self._rank_of("peer", dst)
+            if peer is not None:
+                self._one_pass("send", self.nccl_comm.send,
+                               (x.data.ptr, x.nbytes, self._bytes_type, peer), current, None,
+                               (x.shape, x.dtype, None, dst, tag, None), peer)
+                return None
+        return Communicator.send(self, x, dst, tag=tag, stream=stream)
+
+    def recv(self, out: Any, src: int, *, tag: int = 0, stream: Any = None):
+        if stream is None and type(tag) is int and 0 <= tag < _TAGS:
+            current = self._one_pass_stream(out)
+            peer = None if current is None else self._rank_of("peer", src)
+            if peer is not None:
+                return self._one_pass("recv", self.nccl_comm.recv,
+                                      (out.data.ptr, out.nbytes, self._bytes_type, peer),
+                                      current, out, (out.shape, out.dtype, None, src, tag, None),
+                                      peer)
+        return Communicator.recv(self, out, src, tag=tag, stream=stream)
+
+    # ------------------------------------------------------------------ what may take it
+    def _one_pass_stream(self, x: Any) -> Optional[int]:
+        """The current stream's pointer when ``x`` and this communicator's state allow the
+        one-pass path (the general path's array checks would pass unchanged), else None."""
+        if not isinstance(x, self._cupy.ndarray) or not x._c_contiguous or \
+                x.data.device_id != self.device or x.dtype not in _ACCEPTED_DTYPES or \
+                self._debug or self._failure is not None or self._closed or \
+                self._recorder is NOT_STARTED:
+            return None
+        runtime = self._runtime
+        stream = self._cupy.cuda.get_current_stream().ptr
+        if runtime.getDevice() != self.device or runtime.streamIsCapturing(stream):
+            return None
+        return stream
+
+    def _pair(self, x: Any, op: Any) -> Optional[Tuple[int, int, int]]:
+        """The NCCL translation of (``x.dtype``, ``op``), remembered once its checks passed;
+        None when they do not (the general path then names the error), or when ``x`` is empty
+        (its translation is not cached)."""
+        try:
+            return self._pairs[x.dtype, op]
+        except (KeyError, TypeError):  # TypeError: no pairs yet, or an unhashable op
+            pass
         try:
             parsed = ReduceOp.parse(op)
-            if self._array(x, "x") is not x:
-                return None
             check_op_dtype(parsed, x.dtype)
             self._reduction(x, parsed)
         except (TypeError, ValueError):
@@ -82,27 +167,47 @@ class FastAllReduce:
                 return None
         return translated
 
-    def _all_reduce_in_one_pass(self, x: Any, ptr: int, translated: Tuple[int, int, int],
-                                stream: int):
-        """What the general path does for this call, inline (``_enqueue``'s steps)."""
+    def _rank_of(self, kind: str, value: Any) -> Optional[int]:
+        """A root (``kind`` "root") or peer ("peer") as checked by the general path,
+        remembered once it passed; None when it does not."""
+        try:
+            return self._ranks[kind, value]
+        except (KeyError, TypeError):
+            pass
+        try:
+            checked = self._root(value) if kind == "root" else self._peer(value, kind)
+            ranks = self._ranks if self._ranks is not None else {}
+            ranks[kind, value] = checked
+            self._ranks = ranks
+        except (TypeError, ValueError):
+            return None
+        return checked
+
+    # ------------------------------------------------------------------ the call itself
+    def _one_pass(self, name: str, launch: Callable[..., None], args: tuple, stream: int,
+                  result: Any, fields: tuple, peer: Optional[int] = None) -> Any:
+        """What the decorator and ``_enqueue`` do for a blocking call, inline: the record,
+        the sequence number (collective, or point-to-point when ``peer`` is given), the
+        watchdog's entry, ``launch(*args, stream)``, the event."""
         recorder = self._recorder
         if recorder is not None:  # the flight recorder's record, as the decorator leaves it
-            record = [next(recorder.numbers), "all_reduce",
-                      (x.shape, x.dtype, None, None, None, None), _now(), None, RECORD_PENDING,
-                      None]
+            record = [next(recorder.numbers), name, fields, _now(), None, RECORD_PENDING, None]
             recorder.records.append(record)
-        dtype, per_element, reduce_op = translated
-        number = self._seq = self._seq + 1
-        pending = EnqueuedCall("all_reduce", number, _monotonic() + self.timeout, None, None,
-                               True, self._events, stream, self._event_done)
+        collective = peer is None
+        if collective:
+            number = self._seq = self._seq + 1
+        else:
+            number = self._p2p_seq = self._p2p_seq + 1
+        pending = EnqueuedCall(name, number, _monotonic() + self.timeout, None, peer,
+                               collective, self._events, stream, self._event_done)
         pending.comm = self
         watchdog = self._watchdog
         watchdog.enter_host_call(pending)  # NCCL may block inside: held to the deadline
         try:
-            self.nccl_comm.allReduce(ptr, ptr, per_element * x.size, dtype, reduce_op, stream)
+            launch(*args, stream)
         except BaseException as exc:
             watchdog.leave_host_call()
-            error = self._refused("all_reduce", number, exc)
+            error = self._refused(name, number, exc)
             if recorder is not None:
                 record_failure(self, recorder, record, error)
             if error is exc:
@@ -117,11 +222,13 @@ class FastAllReduce:
             raise
         if recorder is not None:
             record[RECORD_WORK] = pending  # pending until the GPU has finished it
-        return x
+        return result
 
 
-if Communicator.all_reduce.__doc__:  # None under python -OO
-    FastAllReduce.all_reduce.__doc__ = (
-        f"{Communicator.all_reduce.__doc__.rstrip()}\n\n        On the NCCL backend, the call "
-        f"a training step makes (in place, blocking, current stream,\n        a C-contiguous "
-        f"CuPy array on this GPU) runs in one pass: see :mod:`{__name__}`.\n")
+_NOTE = ("\n\n        On the NCCL backend, the call a training step makes (blocking, current "
+         "stream,\n        C-contiguous CuPy arrays on this GPU) runs in one pass: see "
+         f":mod:`{__name__}`.\n")
+for _name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv"):
+    _doc = getattr(Communicator, _name).__doc__
+    if _doc:  # None under python -OO
+        getattr(OnePassCalls, _name).__doc__ = _doc.rstrip() + _NOTE
