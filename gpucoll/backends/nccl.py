@@ -290,22 +290,8 @@ class NCCLCommunicator(OnePassCalls, NCCLCollectives, GraphLaunches, ProgressRep
             number = self._p2p_seq = self._p2p_seq + 1
         if check is not None and self._debug and self.size > 1:
             self._debug_check(name, seq, *check)
-        # the watchdog's entry (the host call's, then its event's), the flight recorder's probe
-        pending = EnqueuedCall(name, number, time.monotonic() + self.timeout, None, peer,
-                               collective, None if async_op else self._events, ptr,
-                               self._event_done)
-        pending.comm = self
-        watchdog = self._watchdog
-        watchdog.enter_host_call(pending)  # NCCL may block inside: held to the deadline
-        try:
-            launch(*args, ptr)
-        except BaseException as exc:
-            watchdog.leave_host_call()
-            error = self._refused(name, number, exc)
-            if error is exc:
-                raise
-            raise error from exc
-        watchdog.leave_host_call()
+        pending = self._launch_watched(name, number, peer, collective,
+                                       None if async_op else self._events, launch, args, ptr)
         if capturing:  # recorded into the graph, run by its launches: nothing to follow now
             if self._failure is not None:
                 raise self._error()
@@ -320,6 +306,29 @@ class NCCLCommunicator(OnePassCalls, NCCLCollectives, GraphLaunches, ProgressRep
     def _next_seq(self) -> int:
         """The number of the next collective; ``_enqueue`` takes it once the call is valid."""
         return self._seq + 1
+
+    def _launch_watched(self, name: str, number: int, peer: Optional[int], collective: bool,
+                        pool: Optional[List[Any]], launch: Callable[..., None], args: tuple,
+                        ptr: int) -> EnqueuedCall:
+        """``launch(*args, ptr)`` under the watchdog, which holds the host call to the deadline
+        (NCCL may block inside); the watchdog's entry, also the flight recorder's probe, whose
+        event ``_track`` records. ``pool``: where its event goes back (None: a Work keeps it).
+        Raises what :meth:`_refused` makes of an error of the call."""
+        pending = EnqueuedCall(name, number, time.monotonic() + self.timeout, None, peer,
+                               collective, pool, ptr, self._event_done)
+        pending.comm = self
+        watchdog = self._watchdog
+        watchdog.enter_host_call(pending)
+        try:
+            launch(*args, ptr)
+        except BaseException as exc:
+            watchdog.leave_host_call()
+            error = self._refused(name, number, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        watchdog.leave_host_call()
+        return pending
 
     def _refused(self, name: str, number: int, exc: BaseException) -> BaseException:
         """The error to raise for ``exc``, raised by the NCCL call of ``name`` #``number``: a

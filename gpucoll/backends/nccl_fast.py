@@ -25,21 +25,18 @@ from typing import Any, Callable, Optional, Tuple, Union
 from ..communicator import Communicator
 from ..flight_recorder import NOT_STARTED, RECORD_PENDING, RECORD_WORK, record_failure
 from ..types import _CODE_OF as _ACCEPTED_DTYPES, ReduceOp, check_op_dtype
-from .nccl_work import EnqueuedCall
 
 __all__ = ["OnePassCalls"]
 
 _now = time.time
-_monotonic = time.monotonic
 _TAGS = 2 ** 32
 
 
 class OnePassCalls:
     """Mixin of :class:`~gpucoll.backends.nccl.NCCLCommunicator` (uses its ``_cupy``,
     ``device``, ``size``, ``_runtime``, ``_debug``, ``_failure``, ``_closed``, ``_recorder``,
-    ``_seq``, ``_p2p_seq``, ``_events``, ``_event_done``, ``_watchdog``, ``_bytes_type``,
-    ``_array``, ``_root``, ``_peer``, ``_reduction``, ``_reductions``, ``_refused``, ``_track``
-    and ``nccl_comm``)."""
+    ``_seq``, ``_p2p_seq``, ``_events``, ``_bytes_type``, ``_root``, ``_peer``, ``_reduction``,
+    ``_reductions``, ``_launch_watched``, ``_track`` and ``nccl_comm``)."""
 
     _pairs: Optional[dict] = None  # (dtype, op as passed) -> (NCCL dtype, per element, NCCL op)
     _ranks: Optional[dict] = None  # ("root" | "peer", value as passed) -> the checked int
@@ -187,8 +184,8 @@ class OnePassCalls:
     def _one_pass(self, name: str, launch: Callable[..., None], args: tuple, stream: int,
                   result: Any, fields: tuple, peer: Optional[int] = None) -> Any:
         """What the decorator and ``_enqueue`` do for a blocking call, inline: the record,
-        the sequence number (collective, or point-to-point when ``peer`` is given), the
-        watchdog's entry, ``launch(*args, stream)``, the event."""
+        the sequence number (collective, or point-to-point when ``peer`` is given), then
+        ``launch(*args, stream)`` under the watchdog and its event."""
         recorder = self._recorder
         if recorder is not None:  # the flight recorder's record, as the decorator leaves it
             record = [next(recorder.numbers), name, fields, _now(), None, RECORD_PENDING, None]
@@ -198,23 +195,9 @@ class OnePassCalls:
             number = self._seq = self._seq + 1
         else:
             number = self._p2p_seq = self._p2p_seq + 1
-        pending = EnqueuedCall(name, number, _monotonic() + self.timeout, None, peer,
-                               collective, self._events, stream, self._event_done)
-        pending.comm = self
-        watchdog = self._watchdog
-        watchdog.enter_host_call(pending)  # NCCL may block inside: held to the deadline
         try:
-            launch(*args, stream)
-        except BaseException as exc:
-            watchdog.leave_host_call()
-            error = self._refused(name, number, exc)
-            if recorder is not None:
-                record_failure(self, recorder, record, error)
-            if error is exc:
-                raise
-            raise error from exc
-        watchdog.leave_host_call()
-        try:
+            pending = self._launch_watched(name, number, peer, collective, self._events, launch,
+                                           args, stream)
             self._track(pending, stream)
         except BaseException as exc:
             if recorder is not None:
