@@ -1,8 +1,9 @@
 """The NCCL backend's one-pass calls (gpucoll/backends/nccl_fast.py: all_reduce, broadcast,
 all_gather, reduce_scatter, send, recv) over the CUDA emulation: they take a training step's
 calls once their arguments are known good, and every call gets what the general path gives it:
-the same result, flight recorder records, sequence numbers, NCCL calls and errors. Each case runs twice, once with the one-pass path and once with
-it replaced by the general path, and the two runs are compared; results also against NumPy.
+the same result, flight recorder records, sequence numbers, NCCL calls and errors. Each case
+runs twice, once with the one-pass path and once with it replaced by the general path, and the
+two runs are compared; results also against NumPy.
 """
 
 import collections

@@ -6,8 +6,9 @@ step spends most of its time. NCCL kernels can be captured: a blocking ``all_red
 ``broadcast``, ``reduce``, ``all_gather``, ``reduce_scatter``, ``send``, ``recv`` or
 ``sendrecv`` (and the grouped ``gather``, ``scatter``, ``all_to_all``) issued on a capturing
 stream is recorded into the graph instead of run. A graph holds the addresses of the arrays
-it was captured with: they must stay alive, and a launch reads and writes them again. Nothing of it runs at capture, so gpucoll records no event and the
-watchdog follows nothing; its flight recorder record says ``"captured"``.
+it was captured with: they must stay alive, and a launch reads and writes them again. Nothing
+of it runs at capture, so gpucoll records no event and the watchdog follows nothing; its
+flight recorder record says ``"captured"``.
 
 Each launch of the graph runs the captured collectives again, and every rank must launch its
 graph as it would issue the collectives. A plain ``graph.launch(stream)`` is outside gpucoll's
