@@ -47,7 +47,7 @@ __all__ = ["Recorder", "NOT_STARTED", "CAPTURED", "recorder_of", "record_failure
 # a record is a list (the cheapest thing to build on every call); its fields:
 _NUMBER, _OP, _ARGS, _ISSUED, _FINISHED, _STATE, _WORK = range(7)
 _PENDING, _DONE = "pending", "done"
-# for a backend that leaves a record itself, as the NCCL backend's one-pass all_reduce does
+# for a backend that leaves a record itself, as the NCCL backend's one-pass calls do
 RECORD_WORK, RECORD_PENDING = _WORK, _PENDING
 # what a GPU backend leaves in ``comm._enqueued`` for a call captured into a CUDA graph: its
 # record says "captured" (the graph's launches run it; ``launch_graph`` records each launch)

@@ -336,10 +336,9 @@ class Emulation:
         if state.device != event.device_id:
             raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: event {event_ptr:#x} of GPU "
                                    f"{event.device_id} recorded on {state.name}")
-        if state.capture is not None:  # an event node: recorded again by each launch
-            with self.lock:
+        if self._captured(state, lambda target: self._record(event, target)):
+            with self.lock:  # an event node: recorded again by each launch
                 event._captured = True
-            self._captured(state, lambda target: self._record(event, target))
             return
         self._record(event, state)
 
