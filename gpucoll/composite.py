@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import objects
+from .graph_capture import HOST_STAGING, device_array_in_capture, refusal
 from .flight_recorder import describe_array, describe_nothing, describe_object_p2p, \
     describe_rooted, describe_rooted_object, traced
 from .types import DTYPES, wire_code
@@ -104,6 +105,14 @@ class CompositeCollectives:
                 return cupy.empty(shape, dtype=dtype)
         return np.empty(shape, dtype=dtype)
 
+    def _refuse_in_capture(self, name: str, x: Any = None) -> None:
+        """Raise before ``name`` sends anything when a CUDA graph capture would record it: the
+        composite calls read counts or objects on the host, which a capture cannot do. A host
+        backend stages device arrays through the host (so only ``x`` on a GPU is refused);
+        the NCCL backend refuses any of them on its capturing stream."""
+        if device_array_in_capture(x):
+            raise refusal(self.backend, f"{name} of a CUDA array", HOST_STAGING)
+
     def _lengths(self, mine: int) -> List[int]:
         """Every rank's ``mine`` (one all_gather of int64)."""
         table = self.all_gather(self._from_host(np.array([mine], dtype=np.int64)))
@@ -134,6 +143,7 @@ class CompositeCollectives:
             # both: {'lr': 0.1}
         """
         root = self._root(root)
+        self._refuse_in_capture("broadcast_object")
         payload = objects.encode(obj, "obj") if self.rank == root else None
         length = self._from_host(np.array([0 if payload is None else payload.size], np.int64))
         count = int(_to_host(self.broadcast(length, root))[0])
@@ -155,6 +165,7 @@ class CompositeCollectives:
 
             comm.all_gather_object({"rank": comm.rank})   # both: [{'rank': 0}, {'rank': 1}]
         """
+        self._refuse_in_capture("all_gather_object")
         payload = objects.encode(obj, "obj")
         lengths = self._lengths(payload.size)
         data, _ = self.all_gather_v(self._from_host(payload), counts=lengths)
@@ -173,6 +184,7 @@ class CompositeCollectives:
             comm.gather_object(comm.rank * 10, root=1)   # rank 1: [0, 10]; rank 0: None
         """
         root = self._root(root)
+        self._refuse_in_capture("gather_object")
         payload = objects.encode(obj, "obj")
         lengths = self._lengths(payload.size)
         data, _ = self.gather_v(self._from_host(payload), root, counts=lengths)
@@ -201,6 +213,7 @@ class CompositeCollectives:
             # rank 0: 'a'; rank 1: 'b'
         """
         root = self._root(root)
+        self._refuse_in_capture("scatter_object")
         if self.rank == root:
             if not isinstance(objs, (list, tuple)):
                 raise TypeError(f"scatter_object: objs must be a list or tuple of {self.size} "
@@ -233,6 +246,7 @@ class CompositeCollectives:
             ValueError: ``dst`` is out of range or this rank.
         """
         dst = self._peer(dst, "dst")
+        self._refuse_in_capture("send_object")
         payload = objects.encode(obj, "obj")
         self.send(self._from_host(np.array([payload.size], dtype=np.int64)), dst, tag=tag)
         self.send(self._from_host(payload), dst, tag=tag)
@@ -250,6 +264,7 @@ class CompositeCollectives:
                 comm.recv_object(0)        # {'step': 3}
         """
         src = self._peer(src, "src")
+        self._refuse_in_capture("recv_object")
         length = self.recv(self._empty((1,), np.int64), src, tag=tag)
         count = int(_to_host(length)[0])
         payload = self.recv(self._empty((count,), np.uint8), src, tag=tag)
@@ -305,6 +320,7 @@ class CompositeCollectives:
 
     def _uneven_input(self, x: Any, counts: Any, name: str):
         """(backend view of x, its shape, every rank's rows), all checked."""
+        self._refuse_in_capture(name, x)
         view = self._array(x, "x")
         shape = tuple(int(d) for d in view.shape)
         if not shape:

@@ -80,6 +80,7 @@ class UnevenAllToAll:
             # rank 0: [0., 10., 11.], [1, 2];  rank 1: [1., 2., 12.], [2, 1]
         """
         x_in = x
+        self._refuse_in_capture("all_to_all_v", x)
         view = self._array(x, "x")
         shape = tuple(int(d) for d in view.shape)
         if not shape:

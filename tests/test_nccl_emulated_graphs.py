@@ -166,9 +166,10 @@ def test_what_cannot_be_captured_is_refused_before_anything_is_enqueued(run, emu
 
 def test_the_emulations_capture_refuses_what_cuda_refuses(emu):
     """The model the tests above run on: an event recorded in a capture cannot be queried or
-    waited for (cudaErrorCapturedEvent, 907) until recorded outside one, a capturing stream
-    cannot be synchronized (cudaErrorStreamCaptureUnsupported, 900), the legacy null stream
-    cannot capture, and nothing captured runs until a launch."""
+    waited for (cudaErrorCapturedEvent, 907) until recorded outside one, the legacy null stream
+    cannot capture, and nothing captured runs until a launch. A capturing stream cannot be
+    synchronized nor copied from to the host (cudaErrorStreamCaptureUnsupported, 900), and
+    either invalidates the capture (cudaErrorStreamCaptureInvalidated, 901, at its end)."""
     cp, runtime = emu.cupy, emu.cupy.cuda.runtime
     with pytest.raises(RuntimeError, match="cannot capture on the default"):
         cp.cuda.Stream.null.begin_capture()
@@ -183,10 +184,84 @@ def test_the_emulations_capture_refuses_what_cuda_refuses(emu):
     assert runtime.eventQuery(event.ptr) == 907
     with pytest.raises(RuntimeError, match="cudaErrorCapturedEvent"):
         event.synchronize()
-    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
-        stream.synchronize()
     graph = stream.end_capture()
     assert not stream.is_capturing() and dst.get().tolist() == [0.0] * 4
     graph.launch(stream)
     stream.synchronize()
     assert dst.get().tolist() == [0.0, 1.0, 2.0, 3.0] and runtime.eventQuery(event.ptr) == 0
+    for refused in (stream.synchronize, lambda: dst.get(stream=stream),
+                    lambda: dst.get()):  # dst.get(): on the current stream, the capturing one
+        with stream:
+            stream.begin_capture()
+            with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
+                refused()
+            with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureInvalidated"):
+                stream.end_capture()
+        assert not stream.is_capturing()
+
+
+COMPOSITES = {  # call(comm, cp) -> what it returns, made comparable
+    "broadcast_object": lambda comm, cp: comm.broadcast_object({"step": 3} if comm.rank == 0
+                                                               else None),
+    "all_gather_object": lambda comm, cp: comm.all_gather_object(("r", comm.rank)),
+    "gather_object": lambda comm, cp: comm.gather_object(comm.rank * 10, root=1),
+    "scatter_object": lambda comm, cp: comm.scatter_object(["a", "b"] if comm.rank == 0
+                                                           else None),
+    "send_object": lambda comm, cp: comm.send_object([1, 2], 1) if comm.rank == 0
+    else comm.recv_object(0),
+    "all_gather_v": lambda comm, cp: comm.all_gather_v(
+        cp.arange(comm.rank + 1.0), counts=[1, 2])[0].get().tolist(),
+    "gather_v": lambda comm, cp: _host(comm.gather_v(cp.full(comm.rank + 1, comm.rank), root=0)[0]),
+    "all_to_all_v": lambda comm, cp: comm.all_to_all_v(
+        cp.arange(3.0) + 10 * comm.rank, counts=[[1, 2], [2, 1]])[0].get().tolist(),
+}
+EXPECTED = {
+    "broadcast_object": [{"step": 3}] * 2,
+    "all_gather_object": [[("r", 0), ("r", 1)]] * 2,
+    "gather_object": [None, [0, 10]],
+    "scatter_object": ["a", "b"],
+    "send_object": [None, [1, 2]],
+    "all_gather_v": [[0.0, 0.0, 1.0]] * 2,
+    "gather_v": [[0, 1, 1], None],
+    "all_to_all_v": [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]],
+}
+
+
+def _host(array):
+    return None if array is None else array.get().tolist()
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITES))
+def test_the_composite_calls_are_refused_in_a_capture_before_anything_is_enqueued(run, emu,
+                                                                                  name):
+    """Objects, uneven gathers and all_to_all_v read counts or objects on the host (and pad
+    through temporaries): in a capture CUDA would refuse the host copy and invalidate the
+    whole capture after part of the call was recorded (the emulation does as CUDA does). They
+    are refused first, even with counts given: nothing recorded, no sequence number used, the
+    capture still valid, the same call fine after it."""
+    cp = emu.cupy
+    call = COMPOSITES[name]
+
+    def fn(comm):
+        comm.all_reduce(cp.ones(2, dtype=cp.float32))
+        seq, p2p, records = comm._seq, comm._p2p_seq, len(comm.trace())
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            with pytest.raises(UnsupportedOperationError) as refused:
+                call(comm, cp)
+            graph = stream.end_capture()  # still valid: CUDA was asked nothing it refuses
+        assert graph.nodes == [] and (comm._seq, comm._p2p_seq) == (seq, p2p)
+        assert len(comm.trace()) == records
+        result = call(comm, cp)  # outside the capture: the communicator is fine
+        comm.synchronize()
+        return str(refused.value), result
+
+    results = run(2, fn)
+    for rank, (message, result) in enumerate(results):
+        refused_op = "recv_object" if (name == "send_object" and rank == 1) else name
+        assert message.startswith(f"backend 'nccl' does not support {refused_op} in a CUDA "
+                                  f"graph capture; it reads counts or objects on the host"), \
+            message
+        assert "capture all_gather / all_to_all on fixed-size buffers" in message
+        assert result == EXPECTED[name][rank], (rank, result)

@@ -303,6 +303,35 @@ def test_a_cuda_graph_replays_captured_collectives(comm):
     assert [e["state"] for e in comm.trace()[-3:]] == ["done"] * 3
 
 
+def test_what_a_capture_cannot_hold_is_refused_and_the_capture_stays_valid(comm):
+    """Real CUDA as the emulation models it: a host copy waited for in a capture is refused
+    and invalidates the capture. gpucoll's composite calls (host reads) are refused first,
+    so the capture around them stays valid and the collectives captured before them replay."""
+    import cupy
+
+    x = cupy.arange(4, dtype=cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        with pytest.raises(Exception, match="capturing|capture"):
+            x.get()
+        with pytest.raises(Exception, match="[Ii]nvalidated|previous error"):
+            stream.end_capture()
+    with stream:
+        stream.begin_capture()
+        comm.all_reduce(x)
+        for call in (lambda: comm.all_gather_v(x), lambda: comm.broadcast_object({"a": 1}),
+                     lambda: comm.all_to_all_v(x, counts=[[4]])):
+            with pytest.raises(gpucoll.UnsupportedOperationError,
+                               match="in a CUDA graph capture; it reads counts or objects"):
+                call()
+        graph = stream.end_capture()
+    comm.launch_graph(graph, stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(x), np.arange(4, dtype=np.float32))
+    assert comm.all_gather_v(x)[1] == [4]
+
+
 def _nccl_version():
     try:
         from cupy.cuda import nccl

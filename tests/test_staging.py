@@ -113,3 +113,66 @@ def test_copies_run_on_the_callers_stream_even_from_the_worker_of_an_async_op(mo
         np.testing.assert_array_equal(x.get(), np.arange(6, dtype=np.float32))
     finally:
         comm.close()
+
+
+def test_device_arrays_in_a_cuda_graph_capture_are_refused_before_anything_is_sent(emu,
+                                                                                  tmp_path):
+    """Host staging copies a device array to the host and waits for the copy: on a capturing
+    stream CUDA refuses the wait and invalidates the whole capture (the emulation does the
+    same). The call is refused first, naming the backend: nothing sent or recorded, the
+    capture still valid, the communicator usable. Host-only calls (objects) are not
+    refused: they involve no device memory."""
+    cp = emu.cupy
+    comm = gpucoll.init(backend="cpu", rank=0, world_size=1, url=f"file://{tmp_path}/s", timeout=5)
+    try:
+        x = cp.asarray(np.arange(4, dtype=np.float32))
+        out = cp.zeros(4, dtype=cp.float32)
+        comm.all_reduce(x)
+        records = len(comm.trace())
+        refused = {
+            "all_reduce": lambda s: comm.all_reduce(x),
+            "all_reduce(out=)": lambda s: comm.all_reduce(np.ones(4, np.float32), out=out),
+            "all_reduce(async_op)": lambda s: comm.all_reduce(x, async_op=True),
+            "broadcast(stream=)": lambda s: comm.broadcast(x, stream=s),
+            "all_gather": lambda s: comm.all_gather(x),
+            "all_gather_v": lambda s: comm.all_gather_v(x),
+            "gather_v": lambda s: comm.gather_v(x, counts=[4]),
+            "all_to_all_v": lambda s: comm.all_to_all_v(x, [4]),
+        }
+        stream = cp.cuda.Stream(non_blocking=True)
+        for name, call in refused.items():
+            with stream:
+                stream.begin_capture()
+                with pytest.raises(gpucoll.UnsupportedOperationError,
+                                   match=r"^backend 'cpu' does not support (\w+ of )?a CUDA "
+                                         r"array in a CUDA graph capture; this backend "
+                                         r"copies device arrays through host memory") as error:
+                    call(stream)
+                graph = stream.end_capture()  # valid: CUDA was asked nothing it refuses
+            assert graph.nodes == [] and len(comm.trace()) == records, (name, error.value)
+        with stream:
+            stream.begin_capture()
+            assert comm.broadcast_object({"lr": 0.1}) == {"lr": 0.1}
+            stream.end_capture()
+        comm.all_reduce(x, op="max")
+        np.testing.assert_array_equal(x.get(), np.arange(4, dtype=np.float32))
+    finally:
+        comm.close()
+
+
+def test_the_mpi_backends_direct_device_arrays_are_refused_in_a_capture(emu):
+    """CUDA-aware MPI reads device memory itself, after waiting for the stream: in a capture
+    that wait is refused (and the memory not yet written), so it is refused first."""
+    from gpucoll.backends.mpi import _Direct
+
+    cp = emu.cupy
+    x = cp.ones(3, dtype=cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    assert _Direct(x, stream).caller is x
+    stream.begin_capture()
+    for given in (stream, None):
+        with stream, pytest.raises(gpucoll.UnsupportedOperationError,
+                                   match="backend 'mpi' does not support a CUDA array in a "
+                                         "CUDA graph capture"):
+            _Direct(x, given)
+    assert stream.end_capture().nodes == []

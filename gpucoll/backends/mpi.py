@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
+from .. import cuda_env
 from ..communicator import Communicator
 from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutError, GpucollError,
                       PeerError)
@@ -46,7 +47,7 @@ from . import mpi_types, signature
 from .mpi_blocking import BlockingWatchdog
 from .mpi_short import HostShortPaths
 from .mpi_types import byte_spec, mpi, reduction
-from .staging import Staged
+from .staging import Staged, as_cupy_stream, refuse_capture
 
 __all__ = ["MPICommunicator", "MPIWork", "mpi_factory"]
 
@@ -60,9 +61,10 @@ class _Direct:
     __slots__ = ("host", "caller")
 
     def __init__(self, array, stream) -> None:
-        import cupy
-
-        (stream or cupy.cuda.get_current_stream()).synchronize()  # MPI reads after the stream
+        cupy = cuda_env.cupy_module()
+        stream = as_cupy_stream(cupy, stream) or cupy.cuda.get_current_stream()
+        refuse_capture(stream, "mpi")  # MPI would read the memory now, before the graph ran
+        stream.synchronize()  # MPI reads after the stream
         self.host = self.caller = array
 
     def write_back(self) -> None:
@@ -178,7 +180,7 @@ class MPICommunicator(HostShortPaths, Communicator):
                 self._direct = mpi_types.cuda_aware()
             if self._direct:
                 return _Direct(array, stream)
-        return Staged(array, stream)
+        return Staged(array, stream, "mpi")
 
     def _new_staged(self, shape, dtype, like, stream):
         """A result buffer beside ``like`` (a device array the MPI library takes directly, or

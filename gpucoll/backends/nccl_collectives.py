@@ -16,7 +16,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from ..errors import UnsupportedOperationError
+from ..graph_capture import refusal
 from ..types import ReduceOp
 from . import nccl_runtime
 
@@ -165,9 +165,8 @@ class NCCLCollectives:
     # ------------------------------------------------------------------ barrier
     def _barrier(self, timeout: float) -> None:
         """A one-element all-reduce on the current stream that the host waits for."""
-        if self._runtime.streamIsCapturing(self._cupy.cuda.get_current_stream().ptr):
-            raise UnsupportedOperationError(self.backend, "barrier in a CUDA graph capture",
-                                            "it waits on the host; end the capture first")
+        if self._capturing_now():
+            raise refusal(self.backend, "barrier", "it waits on the host; end the capture first")
         ptr, nccl = self._barrier_buffer.data.ptr, self._nccl
         work = self._enqueue("barrier", self.nccl_comm.allReduce, None, True, None,
                              seq=self._seq + 1,

@@ -17,10 +17,11 @@ view: a rank that never launches leaves the others' kernels waiting with no time
 followed by the watchdog and the flight recorder like any other: a launch that does not finish
 within the timeout fails the communicator with an error that names it.
 
-What cannot be captured says so before anything is enqueued: ``async_op=True`` (its Work
-waits for an event the capture never completes) and ``barrier`` (it waits on the host).
-Composite calls that read sizes or objects on the host (``all_gather_v``, ``*_object``...)
-cannot be captured either; CUDA refuses their host copies during the capture.
+What cannot be captured says so before anything is enqueued, and the capture stays valid:
+``async_op=True`` (its Work waits for an event the capture never completes), ``barrier`` (it
+waits on the host), and the composite calls that read counts or objects on the host
+(``*_object``, ``all_gather_v``, ``gather_v``, ``all_to_all_v``: CUDA would refuse their host
+copy and invalidate the capture; see :mod:`gpucoll.graph_capture`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,29 @@ from __future__ import annotations
 from typing import Any
 
 from ..flight_recorder import describe_nothing, traced
+from ..graph_capture import HOST_READS, refusal
 
 __all__ = ["GraphLaunches"]
 
 
 class GraphLaunches:
     """Mixin of :class:`~gpucoll.backends.nccl.NCCLCommunicator` (uses its ``_cupy``,
-    ``_enqueue`` and ``_seq``)."""
+    ``_runtime``, ``device``, ``_enqueue`` and ``_seq``)."""
+
+    def _capturing_now(self) -> bool:
+        """Whether the current stream of this communicator's GPU is capturing a CUDA graph
+        (where a call without ``stream=`` would enqueue)."""
+        runtime, cuda = self._runtime, self._cupy.cuda
+        if runtime.getDevice() == self.device:
+            return bool(runtime.streamIsCapturing(cuda.get_current_stream().ptr))
+        with cuda.Device(self.device):
+            return bool(runtime.streamIsCapturing(cuda.get_current_stream().ptr))
+
+    def _refuse_in_capture(self, name: str, x: Any = None) -> None:
+        """The composite calls (objects, uneven gathers, ``all_to_all_v``) in a capture: refused
+        before anything is enqueued (see :mod:`gpucoll.graph_capture`)."""
+        if self._capturing_now():
+            raise refusal(self.backend, name, HOST_READS)
 
     @traced(describe_nothing)
     def launch_graph(self, graph: Any, *, stream: Any = None) -> None:

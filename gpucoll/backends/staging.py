@@ -15,11 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import cuda_env
+from ..graph_capture import HOST_STAGING, is_device_array, refusal, stream_is_capturing
 
-__all__ = ["Staged"]
-
-
-_DLPACK_DEVICE_KINDS = (2, 13)  # kDLCUDA, kDLCUDAManaged
+__all__ = ["Staged", "as_cupy_stream", "is_device_array", "refuse_capture"]
 
 
 class _StreamHandle:
@@ -32,7 +30,7 @@ class _StreamHandle:
         return (0, self.ptr)
 
 
-def _cupy_stream(cupy, stream):
+def as_cupy_stream(cupy, stream):
     """``stream`` as a CuPy stream (None: the current one)."""
     if stream is None or isinstance(stream, cupy.cuda.Stream):
         return stream
@@ -52,15 +50,11 @@ def _cupy_stream(cupy, stream):
     return cupy.cuda.ExternalStream(handle.__cuda_stream__()[1])
 
 
-def is_device_array(array) -> bool:
-    """Whether ``array`` lives in GPU memory (CUDA array interface, or DLPack on a GPU)."""
-    if hasattr(array, "__cuda_array_interface__"):
-        return True
-    device = getattr(array, "__dlpack_device__", None)
-    try:
-        return device is not None and int(device()[0]) in _DLPACK_DEVICE_KINDS
-    except Exception:
-        return False
+def refuse_capture(stream, backend: str) -> None:
+    """Raise before a device array is copied to the host on ``stream`` (a CuPy stream) while
+    it captures a CUDA graph: CUDA would refuse the wait and invalidate the capture."""
+    if stream_is_capturing(stream):
+        raise refusal(backend, "a CUDA array", HOST_STAGING)
 
 
 def _device_view(cupy, array):
@@ -82,7 +76,7 @@ class Staged:
 
     __slots__ = ("host", "device", "view", "stream")
 
-    def __init__(self, array, stream=None):
+    def __init__(self, array, stream=None, backend: str = "cpu"):
         self.stream = None
         self.view = None
         if array is None:
@@ -93,10 +87,11 @@ class Staged:
             cupy = cuda_env.cupy_module()  # lazily: only when a device array is passed
             self.device = array
             self.view = _device_view(cupy, array)
-            self.stream = _cupy_stream(cupy, stream)
+            self.stream = as_cupy_stream(cupy, stream)
             if self.stream is None:  # the caller's, now: write_back may run on another thread
                 with self.view.device:
                     self.stream = cupy.cuda.get_current_stream()
+            refuse_capture(self.stream, backend)
             self.host = self.view.get(stream=self.stream)  # blocking: the copy is done
         else:
             self.host, self.device = np.asarray(array), None

@@ -154,8 +154,10 @@ class ndarray:  # noqa: N801 (CuPy's name)
 
     def get(self, stream=None) -> np.ndarray:
         """A host copy (CuPy's ``ndarray.get``), made on ``stream`` (else the current stream)
-        after the work already there; returns once the copy is done."""
+        after the work already there; returns once the copy is done. On a capturing stream,
+        CuPy's wait for the copy is refused, and the capture invalidated, as CUDA does."""
         state = self._copy_stream(stream)
+        self._emu.refuse_in_capture(state)
         out = np.empty_like(self._a)
         self._emu.host_copies.append(("get", state))
         self._emu._submit(state, lambda: np.copyto(out, self._a))

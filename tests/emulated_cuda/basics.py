@@ -60,6 +60,8 @@ CUDA_ERROR_NAMES = {600: "cudaErrorNotReady: device not ready",
                     719: "cudaErrorLaunchFailure: unspecified launch failure",
                     900: "cudaErrorStreamCaptureUnsupported: operation not permitted when "
                          "stream is capturing",
+                    901: "cudaErrorStreamCaptureInvalidated: operation failed due to a "
+                         "previous error during capture",
                     907: "cudaErrorCapturedEvent: operation not permitted on an event last "
                          "recorded in a capturing stream"}
 

@@ -113,6 +113,8 @@ class Stream:
             graph, state.capture = state.capture, None
         if graph is None:
             raise CUDARuntimeError("cudaErrorIllegalState: the stream is not capturing")
+        if graph.invalidated:
+            raise CUDARuntimeError(901)
         return graph
 
     def is_capturing(self) -> bool:
@@ -183,6 +185,7 @@ class Graph:
     def __init__(self, emu: "Emulation"):
         self._emu = emu
         self.nodes: List = []
+        self.invalidated = False  # a call the capture could not hold failed during it
 
     def launch(self, stream=None) -> None:
         emu = self._emu

@@ -387,9 +387,19 @@ class Emulation:
 
     def synchronize_stream(self, ptr: int) -> None:
         state = self._state(ptr)
-        if state.capture is not None:
-            raise CUDARuntimeError(900)
+        self.refuse_in_capture(state)
         self.wait_drained(state)
+
+    def refuse_in_capture(self, state: _StreamState) -> None:
+        """What CUDA does to a call a capture cannot hold (a synchronize, a copy the host waits
+        for): cudaErrorStreamCaptureUnsupported (900), and the capture is invalidated, so that
+        its ``end_capture`` fails too (cudaErrorStreamCaptureInvalidated, 901)."""
+        with self.lock:
+            graph = state.capture
+            if graph is not None:
+                graph.invalidated = True
+        if graph is not None:
+            raise CUDARuntimeError(900)
 
     def stream_is_capturing(self, ptr: int) -> bool:
         """``cudaStreamIsCapturing``, as CuPy's ``runtime.streamIsCapturing``: a bool."""
