@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import objects
+from . import cuda_env, objects
 from .graph_capture import HOST_STAGING, device_array_in_capture, refusal
 from .flight_recorder import describe_array, describe_nothing, describe_object_p2p, \
     describe_rooted, describe_rooted_object, traced
@@ -99,8 +99,7 @@ class CompositeCollectives:
         if not self._host_memory():
             return self._empty(shape, dtype)
         if hasattr(like, "__cuda_array_interface__"):
-            import cupy  # a CuPy array given to a host backend
-
+            cupy = cuda_env.cupy_module()  # a CuPy array given to a host backend
             with cupy.cuda.Device(like.device.id):
                 return cupy.empty(shape, dtype=dtype)
         return np.empty(shape, dtype=dtype)

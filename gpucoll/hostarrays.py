@@ -30,9 +30,9 @@ def array_module(x: Any):
     """CuPy for a CuPy array, else NumPy: the module the training helpers compute with (CuPy is
     imported only when ``x`` already is one of its arrays)."""
     if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
+        from . import cuda_env
 
-        return cupy
+        return cuda_env.cupy_module()
     return np
 
 

@@ -14,6 +14,10 @@ Semantics (both paths; ``C`` is float32, or float64 when either side is float64)
     unpack:  arrays[a].flat[i]      = arrays[a].dtype(C(bucket[offsets[a] + i]) * scale / loss_scale)
              found_inf[0] = 1 if any value written is inf or NaN (only when found_inf is given)
 
+On a stream that is capturing a CUDA graph the launches are recorded like any kernel; their
+work tables are uploaded outside the capture and kept for every replay (see
+:func:`release_graph_tables`).
+
 Rounding is to nearest even in both paths, so they agree bit for bit. Supported
 (array dtype, bucket dtype) pairs: (float32, float32 | bfloat16 | float16), (float16, float16),
 (bfloat16, bfloat16), (float64, float64). bfloat16 needs CuPy's bfloat16 dtype on the GPU and the
@@ -31,8 +35,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import cuda_env
+
 __all__ = ["pack", "unpack", "bucket_offsets", "bfloat16", "SUPPORTED_PAIRS", "kernel_source",
-           "compile_request", "launch_plan", "work_tables", "MAX_ARRAYS_PER_LAUNCH", "TILE_ELEMS"]
+           "compile_request", "launch_plan", "work_tables", "release_graph_tables",
+           "MAX_ARRAYS_PER_LAUNCH", "TILE_ELEMS"]
 
 try:  # NumPy has no bfloat16; ml_dtypes (a JAX dependency) provides one
     import ml_dtypes as _ml_dtypes
@@ -332,8 +339,7 @@ def compile_request(name: str, array_dtype: str, bucket_dtype: str,
 @functools.lru_cache(maxsize=None)
 def _kernel(device_id: int, name: str, array_dtype: str, bucket_dtype: str, check: bool = False):
     """Compiled kernel for one device, dtype pair and variant (memoized: compiled once)."""
-    import cupy
-
+    cupy = cuda_env.cupy_module()
     source, options, expression = compile_request(name, array_dtype, bucket_dtype, check)
     with cupy.cuda.Device(device_id):
         module = cupy.RawModule(code=source, options=options, name_expressions=[expression])
@@ -400,10 +406,42 @@ def _device_table(cupy: Any, device: int, stream: int, table: np.ndarray) -> Any
     return found
 
 
+#: Work tables of launches a CUDA graph captured, {(device, table bytes): device array}: every
+#: replay reads them again, so unlike the tables above they are never evicted.
+_GRAPH_TABLES: Dict[Tuple[int, bytes], Any] = {}
+_UPLOAD_STREAMS: Dict[int, Any] = {}  # per GPU: where tables for a capture are uploaded
+
+
+def _graph_table(cupy: Any, device: int, table: np.ndarray) -> Any:
+    """``table`` on the GPU for a launch being captured into a CUDA graph, kept until
+    :func:`release_graph_tables`. Uploaded on a stream of its own that is not capturing, and
+    waited for there: the copy from host memory cannot be part of the capture (CUDA refuses
+    it, or the graph would read CuPy's reused staging memory at each replay)."""
+    key = (device, table.tobytes())
+    found = _GRAPH_TABLES.get(key)
+    if found is None:
+        side = _UPLOAD_STREAMS.get(device)
+        if side is None:
+            side = _UPLOAD_STREAMS[device] = cupy.cuda.Stream(non_blocking=True)
+        with side:
+            found = cupy.asarray(table)
+        side.synchronize()
+        _GRAPH_TABLES[key] = found
+    return found
+
+
+def release_graph_tables() -> int:
+    """Free the work tables kept for CUDA graphs that captured :func:`pack` or :func:`unpack`
+    (each distinct table is kept once, a few KiB); call it only once those graphs are gone.
+    Returns how many were freed."""
+    count = len(_GRAPH_TABLES)
+    _GRAPH_TABLES.clear()
+    return count
+
+
 def _launch(name: str, arrays: Sequence[Any], bucket: Any, offsets: List[int], sizes: List[int],
             array_dtype: str, scale: float, found_inf: Any) -> None:
-    import cupy
-
+    cupy = cuda_env.cupy_module()
     bucket_dtype = _dtype_name(bucket.dtype)
     check = found_inf is not None
     device = bucket.data.device_id
@@ -411,8 +449,11 @@ def _launch(name: str, arrays: Sequence[Any], bucket: Any, offsets: List[int], s
     pointers = [array.data.ptr for array in arrays]
     with bucket.device:  # every allocation and launch below on the bucket's GPU
         stream = cupy.cuda.get_current_stream().ptr
+        capturing = stream != 0 and cupy.cuda.runtime.streamIsCapturing(stream)
         for n_arrays, grid, table in work_tables(pointers, offsets, sizes):
-            args = [_device_table(cupy, device, stream, table), np.int32(n_arrays),
+            on_gpu = _graph_table(cupy, device, table) if capturing else \
+                _device_table(cupy, device, stream, table)
+            args = [on_gpu, np.int32(n_arrays),
                     np.int64(TILE_ELEMS), bucket, np.float64(scale)]
             if name == "bucket_unpack":  # the flag; null for the variant that never reads it
                 args.append(found_inf if check else np.uint64(0))

@@ -6,10 +6,6 @@ optimizer's state created on the device."""
 import numpy as np
 import pytest
 
-import gpucoll.ddp.checkpoint
-import gpucoll.ddp.fsdp
-import gpucoll.ddp.layout
-import gpucoll.ddp.sharded
 from gpucoll.ddp import FullyShardedParameters, ShardedOptimizer
 from gpucoll.examples.train_digits import init_params
 from mp_harness import run_ranks
@@ -23,13 +19,8 @@ LR, MOMENTUM = 0.1, 0.9
 
 
 @pytest.fixture
-def device_arrays(emu, monkeypatch):
-    """The emulation's CuPy, which the helpers' module lookup does not know by type: pointed
-    at it, as it would find CuPy."""
-    for module in (gpucoll.ddp.fsdp, gpucoll.ddp.sharded):
-        monkeypatch.setattr(module, "_array_module", lambda x: emu.cupy)
-    for module in (gpucoll.ddp.checkpoint, gpucoll.ddp.layout):
-        monkeypatch.setattr(module, "array_module", lambda x: emu.cupy)
+def device_arrays(emu):
+    """The emulation's CuPy: the helpers find it from its arrays, as they find CuPy."""
     return emu.cupy
 
 

@@ -167,9 +167,10 @@ def test_what_cannot_be_captured_is_refused_before_anything_is_enqueued(run, emu
 def test_the_emulations_capture_refuses_what_cuda_refuses(emu):
     """The model the tests above run on: an event recorded in a capture cannot be queried or
     waited for (cudaErrorCapturedEvent, 907) until recorded outside one, the legacy null stream
-    cannot capture, and nothing captured runs until a launch. A capturing stream cannot be
-    synchronized nor copied from to the host (cudaErrorStreamCaptureUnsupported, 900), and
-    either invalidates the capture (cudaErrorStreamCaptureInvalidated, 901, at its end)."""
+    cannot capture, and nothing captured runs until a launch (in-place changes of arrays
+    included). A capturing stream cannot be synchronized nor copied to or from the host
+    (cudaErrorStreamCaptureUnsupported, 900), and either invalidates the capture
+    (cudaErrorStreamCaptureInvalidated, 901, at its end)."""
     cp, runtime = emu.cupy, emu.cupy.cuda.runtime
     with pytest.raises(RuntimeError, match="cannot capture on the default"):
         cp.cuda.Stream.null.begin_capture()
@@ -189,8 +190,19 @@ def test_the_emulations_capture_refuses_what_cuda_refuses(emu):
     graph.launch(stream)
     stream.synchronize()
     assert dst.get().tolist() == [0.0, 1.0, 2.0, 3.0] and runtime.eventQuery(event.ptr) == 0
+    with stream:  # in-place changes are recorded and run by each launch, not at capture
+        stream.begin_capture()
+        dst[1:3] = 7.0
+        dst += src
+        graph = stream.end_capture()
+    assert dst.get().tolist() == [0.0, 1.0, 2.0, 3.0]
+    graph.launch(stream)
+    stream.synchronize()
+    assert dst.get().tolist() == [0.0, 8.0, 9.0, 6.0]
     for refused in (stream.synchronize, lambda: dst.get(stream=stream),
-                    lambda: dst.get()):  # dst.get(): on the current stream, the capturing one
+                    lambda: dst.get(),  # dst.get(): on the current stream, the capturing one
+                    lambda: float(dst[0]), lambda: cp.asarray(np.ones(2)),
+                    lambda: dst.set(np.ones(4, np.float32))):
         with stream:
             stream.begin_capture()
             with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
@@ -200,20 +212,25 @@ def test_the_emulations_capture_refuses_what_cuda_refuses(emu):
         assert not stream.is_capturing()
 
 
-COMPOSITES = {  # call(comm, cp) -> what it returns, made comparable
-    "broadcast_object": lambda comm, cp: comm.broadcast_object({"step": 3} if comm.rank == 0
-                                                               else None),
-    "all_gather_object": lambda comm, cp: comm.all_gather_object(("r", comm.rank)),
-    "gather_object": lambda comm, cp: comm.gather_object(comm.rank * 10, root=1),
-    "scatter_object": lambda comm, cp: comm.scatter_object(["a", "b"] if comm.rank == 0
-                                                           else None),
-    "send_object": lambda comm, cp: comm.send_object([1, 2], 1) if comm.rank == 0
-    else comm.recv_object(0),
-    "all_gather_v": lambda comm, cp: comm.all_gather_v(
-        cp.arange(comm.rank + 1.0), counts=[1, 2])[0].get().tolist(),
-    "gather_v": lambda comm, cp: _host(comm.gather_v(cp.full(comm.rank + 1, comm.rank), root=0)[0]),
-    "all_to_all_v": lambda comm, cp: comm.all_to_all_v(
-        cp.arange(3.0) + 10 * comm.rank, counts=[[1, 2], [2, 1]])[0].get().tolist(),
+COMPOSITES = {  # name: (its input, made before the capture; the call, made comparable)
+    "broadcast_object": (lambda comm, cp: {"step": 3} if comm.rank == 0 else None,
+                         lambda comm, x: comm.broadcast_object(x)),
+    "all_gather_object": (lambda comm, cp: ("r", comm.rank),
+                          lambda comm, x: comm.all_gather_object(x)),
+    "gather_object": (lambda comm, cp: comm.rank * 10,
+                      lambda comm, x: comm.gather_object(x, root=1)),
+    "scatter_object": (lambda comm, cp: ["a", "b"] if comm.rank == 0 else None,
+                       lambda comm, x: comm.scatter_object(x)),
+    "send_object": (lambda comm, cp: [1, 2],
+                    lambda comm, x: comm.send_object(x, 1) if comm.rank == 0
+                    else comm.recv_object(0)),
+    "all_gather_v": (lambda comm, cp: cp.arange(comm.rank + 1.0),
+                     lambda comm, x: comm.all_gather_v(x, counts=[1, 2])[0].get().tolist()),
+    "gather_v": (lambda comm, cp: cp.full(comm.rank + 1, comm.rank),
+                 lambda comm, x: _host(comm.gather_v(x, root=0)[0])),
+    "all_to_all_v": (lambda comm, cp: cp.arange(3.0) + 10 * comm.rank,
+                     lambda comm, x: comm.all_to_all_v(x, counts=[[1, 2], [2, 1]])[0]
+                     .get().tolist()),
 }
 EXPECTED = {
     "broadcast_object": [{"step": 3}] * 2,
@@ -240,20 +257,21 @@ def test_the_composite_calls_are_refused_in_a_capture_before_anything_is_enqueue
     are refused first, even with counts given: nothing recorded, no sequence number used, the
     capture still valid, the same call fine after it."""
     cp = emu.cupy
-    call = COMPOSITES[name]
+    make, call = COMPOSITES[name]
 
     def fn(comm):
         comm.all_reduce(cp.ones(2, dtype=cp.float32))
+        x = make(comm, cp)
         seq, p2p, records = comm._seq, comm._p2p_seq, len(comm.trace())
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
             stream.begin_capture()
             with pytest.raises(UnsupportedOperationError) as refused:
-                call(comm, cp)
+                call(comm, x)
             graph = stream.end_capture()  # still valid: CUDA was asked nothing it refuses
         assert graph.nodes == [] and (comm._seq, comm._p2p_seq) == (seq, p2p)
         assert len(comm.trace()) == records
-        result = call(comm, cp)  # outside the capture: the communicator is fine
+        result = call(comm, x)  # outside the capture: the communicator is fine
         comm.synchronize()
         return str(refused.value), result
 

@@ -332,6 +332,44 @@ def test_what_a_capture_cannot_hold_is_refused_and_the_capture_stays_valid(comm)
     assert comm.all_gather_v(x)[1] == [4]
 
 
+def test_a_data_parallel_step_captured_into_a_cuda_graph(comm):
+    """The Bucketer's fused kernels (NVRTC) and NCCL all-reduces captured once, launched once
+    per step: each launch unscales (through bfloat16) what the gradient arrays hold then, the
+    non-finite flag is zeroed and set by each launch, and the work tables outlive the eager
+    cache (tests/test_ddp_nccl_emulated.py runs the same on 2 and 3 emulated ranks)."""
+    import cupy
+
+    from gpucoll import kernels
+    from gpucoll.ddp import Bucketer
+
+    shapes = [(3, 5), (7,), (4096,), (1,)]
+    bucketer = Bucketer(comm, [np.zeros(s, np.float32) for s in shapes], bucket_cap_bytes=4096,
+                        first_bucket_cap_bytes=64, compression="bf16")
+    grads = [cupy.zeros(s, dtype=cupy.float32) for s in shapes]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        bucketer.reduce(grads, loss_scale=4.0)
+        graph = stream.end_capture()
+    flag = bucketer.found_inf
+    rng = np.random.default_rng(5)
+    for step in range(3):
+        host = [(rng.integers(-64, 64, s) / 8).astype(np.float32) for s in shapes]  # bf16-exact
+        if step == 1:
+            host[2][5] = np.inf
+        for array, values in zip(grads, host):
+            array.set(values)
+        cupy.cuda.Device().synchronize()
+        kernels._TABLES.clear()
+        comm.launch_graph(graph, stream=stream)
+        stream.synchronize()
+        assert int(flag.get()[0]) == (1 if step == 1 else 0), step
+        if step != 1:
+            for array, values in zip(grads, host):
+                np.testing.assert_array_equal(cupy.asnumpy(array), values / 4.0)
+    comm.synchronize()
+
+
 def _nccl_version():
     try:
         from cupy.cuda import nccl

@@ -12,8 +12,6 @@ complete in any order.
 import numpy as np
 import pytest
 
-import gpucoll.ps.server
-import gpucoll.ps.worker
 from gpucoll.examples.train_digits import init_params, loss_and_grads
 from gpucoll.ps import ParameterServer, PSWorker
 from mp_harness import run_ranks
@@ -59,11 +57,8 @@ def _check_synchronous(results, num_servers):
 
 
 @pytest.fixture
-def emulated_arrays(emu, monkeypatch):
-    """The emulation's CuPy, which the training helpers' module lookup does not know by type
-    (its arrays are not CuPy's): pointed at it, as it would find CuPy."""
-    for module in (gpucoll.ps.server, gpucoll.ps.worker):
-        monkeypatch.setattr(module, "_array_module", lambda x: emu.cupy)
+def emulated_arrays(emu):
+    """The emulation's CuPy: the training helpers find it from its arrays, as they find CuPy."""
     return emu.cupy
 
 

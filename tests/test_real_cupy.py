@@ -156,7 +156,8 @@ def _compare(emulated, real, path, report):
         elif isinstance(value, type) and issubclass(value, BaseException):
             if not (isinstance(actual, type) and issubclass(actual, BaseException)):
                 report["wrong"].append(f"{where}: not an exception class in CuPy")
-        elif isinstance(value, type) and value.__module__.split(".")[0] == "emulated_cuda":
+        elif isinstance(value, type) and (value.__module__.split(".")[0] == "emulated_cuda"
+                                          or "_emu" in vars(value)):  # ndarray says "cupy"
             if not isinstance(actual, type):
                 report["wrong"].append(f"{where}: {type(actual).__name__} in CuPy, not a class")
                 continue

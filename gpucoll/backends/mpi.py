@@ -186,9 +186,7 @@ class MPICommunicator(HostShortPaths, Communicator):
         """A result buffer beside ``like`` (a device array the MPI library takes directly, or
         a staged one); not ``_empty``, which the composite collectives call for host arrays."""
         if isinstance(like, _Direct):
-            import cupy
-
-            return _Direct(cupy.empty(shape, dtype), stream)
+            return _Direct(cuda_env.cupy_module().empty(shape, dtype), stream)
         return Staged.empty(shape, dtype, like=like, stream=stream)
 
     # ------------------------------------------------------------------ progress

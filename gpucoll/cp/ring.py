@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .. import cuda_env
 from .base import ContextParallelAttention, group_queries, grouped_segments, ungroup_queries
 from .blockwise import RunningSoftmax, attend, attend_backward
 
@@ -78,8 +79,7 @@ class RingAttention(ContextParallelAttention):
         after, before = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
         stream = None
         if comm.memory == "cuda":
-            import cupy
-
+            cupy = cuda_env.cupy_module()
             if self._stream is None:
                 self._stream = cupy.cuda.Stream(non_blocking=True)
             self._stream.wait_event(cupy.cuda.get_current_stream().record())

@@ -12,6 +12,14 @@ Buckets are always issued in bucket order, whatever order gradients arrive in, s
 issues the same collectives in the same order. Only the ``Communicator`` interface is used.
 A comm hook (``comm_hook=``, e.g. ``PowerSGD``; see ``comm_hook.py``) can replace the packed
 all-reduce: it is handed each bucket as it fills and completes the step in ``finish()``.
+
+A step on CuPy arrays can be captured into a CUDA graph (``stream.begin_capture()``, the
+``mark_ready`` calls or ``reduce``, ``finish()``, ``end_capture()``) and launched once per step
+with ``comm.launch_graph``: on a capturing stream the all-reduces are issued blocking (they are
+recorded, as a kernel is), ``finish()`` waits for nothing, and the non-finite flag the graph
+writes stays alive with it. The loss scale is the one given at capture. What reads the host or
+keeps arrays past the step is refused in a capture: ``join``, ``no_sync`` accumulation, a comm
+hook.
 """
 
 from __future__ import annotations
@@ -22,12 +30,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from .. import kernels
+from ..graph_capture import device_array_in_capture
 from ..hostarrays import array_module as _array_module, host_view
 from .comm_hook import CommHook
 
 __all__ = ["Bucketer", "broadcast_parameters", "plan_buckets"]
 
 MiB = 1 << 20
+_NOT_CAPTURED = ("Bucketer: {what} cannot be captured into a CUDA graph: {why} (end the "
+                 "capture first; see gpucoll.ddp.bucketer)")
 _COMPRESSION = {None: None, "none": None, "bf16": "bfloat16", "bfloat16": "bfloat16",
                 "fp16": "float16", "float16": "float16"}
 
@@ -171,6 +182,7 @@ class Bucketer:
         self._accumulating = False
         self._accumulated: Dict[int, Any] = {}
         self.found_inf = None  # int32 flag array of the last finish() that checked
+        self._graph_flags: List[Any] = []  # flags captured steps write: alive with their graphs
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -214,6 +226,11 @@ class Bucketer:
         if self.comm_hook is not None and not grad.flags.c_contiguous:
             raise ValueError(f"gradient {index} must be C-contiguous (the comm hook writes "
                              f"the average into it)")
+        if self._accumulating and device_array_in_capture(grad):
+            raise RuntimeError(_NOT_CAPTURED.format(what="gradient accumulation (no_sync)",
+                                                    why="its accumulators outlive the step; "
+                                                        "add micro-batch gradients into the "
+                                                        "gradient arrays inside the step"))
         self._grads[index] = grad
         self._callers[index] = caller
         if self._accumulating:
@@ -233,7 +250,12 @@ class Bucketer:
             if bucket.ready < len(bucket.members):
                 return
             grads = [self._grads[i] for i in bucket.members]
+            capturing = device_array_in_capture(grads[0])
             if self.comm_hook is not None:
+                if capturing:
+                    raise RuntimeError(_NOT_CAPTURED.format(
+                        what=f"a comm hook ({type(self.comm_hook).__name__})",
+                        why="it decides on the host what travels"))
                 self.comm_hook.issue(self._next_issue, grads)
                 self._next_issue += 1
                 continue
@@ -244,7 +266,10 @@ class Bucketer:
             kernels.pack(grads, bucket.buffer, offsets=bucket.offsets, scale=prescale)
             if self._next_issue == 0 and self._flag_at is not None:
                 bucket.buffer[self._flag_at] = 1     # this rank is still training
-            bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True)
+            if capturing:  # recorded into the graph like a kernel: nothing to wait for
+                self.comm.all_reduce(bucket.buffer)
+            else:
+                bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True)
             self._next_issue += 1
 
     def finish(self, *, loss_scale: Optional[float] = None,
@@ -288,13 +313,16 @@ class Bucketer:
                              f"unscale before mark_ready (this step was abandoned)")
         self.found_inf = _zeros_beside(grads[0] if grads else None, 1, np.int32) if check \
             else None
+        if check and device_array_in_capture(self.found_inf):
+            self._graph_flags.append(self.found_inf)  # the graph writes it at every launch
         try:
             self._issue_ready()
             if self.comm_hook is not None:
                 self.comm_hook.finish()        # results land in the arrays it was given
             else:
                 for bucket in self._buckets:
-                    bucket.work.wait()
+                    if bucket.work is not None:
+                        bucket.work.wait()
                     postscale = (1.0 / self.comm.size if self.average and
                                  bucket.wire_dtype == bucket.dtype else 1.0)
                     kernels.unpack(bucket.buffer, [grads[i] for i in bucket.members],
@@ -327,6 +355,9 @@ class Bucketer:
         if not self.uneven_inputs:
             raise RuntimeError("join() needs Bucketer(..., uneven_inputs=True): every rank's "
                                "steps must carry the count of ranks still training")
+        if device_array_in_capture(self._like):
+            raise RuntimeError(_NOT_CAPTURED.format(what="join()", why="it reads on the host "
+                                                    "whether every rank has joined"))
         marked = [i for i, grad in enumerate(self._grads) if grad is not None]
         if marked or self._accumulated or self._accumulating:
             raise ValueError(f"join() is called between steps, outside no_sync() and with no "

@@ -23,7 +23,7 @@ from typing import Any, Dict
 
 import numpy as np
 
-from .. import kernels
+from .. import cuda_env, kernels
 
 __all__ = ["DynamicLossScaler", "sharded_unscale_settings", "average_reduced_slices",
            "agree_on_overflow"]
@@ -116,9 +116,7 @@ class DynamicLossScaler:
             return bool(local)
         flag = np.array([local], dtype=np.int32)
         if getattr(self.comm, "backend", "cpu") == "nccl":
-            import cupy  # device memory for NCCL; a 4-byte round trip
-
-            device = cupy.asarray(flag)
+            device = cuda_env.cupy_module().asarray(flag)  # for NCCL: a 4-byte round trip
             self.comm.all_reduce(device, op="max")
             return bool(int(device[0]))
         self.comm.all_reduce(flag, op="max")

@@ -6,6 +6,8 @@ from typing import Any, Dict, Mapping
 
 import numpy as np
 
+from .. import cuda_env
+
 __all__ = ["all_reduce_metrics"]
 
 
@@ -39,8 +41,7 @@ def all_reduce_metrics(comm, metrics: Mapping[str, Any], op: str = "sum") -> Dic
         integral.append(isinstance(value, (int, np.integer)))
         values[position] = float(value)
     if comm.memory == "cuda":  # a GPU backend reduces device memory: one small round trip
-        import cupy
-
+        cupy = cuda_env.cupy_module()
         device = cupy.asarray(values)
         comm.all_reduce(device, op=op)
         values = cupy.asnumpy(device)  # waits for the stream

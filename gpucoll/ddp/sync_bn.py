@@ -13,14 +13,14 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import cuda_env
+
 __all__ = ["sync_batch_stats", "SyncBatchNorm"]
 
 
 def _xp(x: Any):
     if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
+        return cuda_env.cupy_module()
     return np
 
 

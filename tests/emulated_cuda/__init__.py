@@ -50,15 +50,27 @@ The model
     ``NcclError``; ranks that issue different collectives (name, count, datatype, op, root)
     at the same position get ``NcclError`` too, where real NCCL would hang or corrupt data.
 
+    CUDA graphs: work enqueued on a capturing stream (copies, collectives, event records,
+    gpucoll's bucketing kernels, in-place changes of arrays: setitem, fill, ``+=``, the fill of
+    ``zeros``) is recorded and run again by each ``graph.launch``; a synchronize or a copy
+    to or from the host there fails with cudaErrorStreamCaptureUnsupported and invalidates
+    the capture. Operations that make new arrays run at capture only.
+
+    The array type says it is CuPy's (``cupy.ndarray``), so gpucoll treats it as CuPy;
+    ``cupy.RawModule`` knows gpucoll's bucketing kernels (kernels.py: their launches read the
+    work table and arrays through device addresses, in stream order).
+
 Test hooks: ``emu.stall(stream)``, ``emu.release(stream)``, ``emu.release_all()``,
 ``emu.inject_async_error(nccl_comm, detail)``, ``emu.pending(stream)``, ``emu.calls`` (a Counter
 of calls by name), ``emu.history`` (every NCCL operation issued: communicator, name,
-arguments), ``emu.errors`` (errors of held work that no communicator owned).
+arguments), ``emu.errors`` (errors of held work that no communicator owned),
+``emu.kernel_launches`` (bucketing kernels launched).
 """
 
 # The parts: basics (CUDA and NCCL constants, the errors, argument conversion), arrays
-# (ndarray), cuda_objects (Device, Stream, Event), communicator (NcclCommunicator) and
-# emulation (Emulation: memory, stream scheduling, and the fake cupy and nccl modules).
+# (ndarray), cuda_objects (Device, Stream, Event, Graph), communicator (NcclCommunicator),
+# kernels (RawModule: the bucketing kernels) and emulation (Emulation: memory, stream
+# scheduling, and the fake cupy and nccl modules).
 # Every public name of the emulation is importable from the package itself.
 from .arrays import ndarray  # noqa: F401
 from .basics import (INTERNAL_ERROR, INVALID_ARGUMENT, INVALID_USAGE, MEMCPY_DEFAULT,  # noqa: F401

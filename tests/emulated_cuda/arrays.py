@@ -118,7 +118,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
             value = value._a
         elif isinstance(value, np.ndarray):
             raise TypeError("emulated CuPy: assign a device array or a scalar")
-        self._a[key] = value
+        self._emu._in_place(lambda: self._a.__setitem__(key, value))
 
     def copy(self) -> "ndarray":
         return self._emu._from_host(self._a, self._device_id)
@@ -149,6 +149,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
             raise RuntimeError("Cannot set to non-contiguous array")
         data = arr.copy()  # CuPy stages pageable host memory before set() returns
         state = self._copy_stream(stream)
+        self._emu.refuse_in_capture(state)  # as asarray of host data
         self._emu.host_copies.append(("set", state))
         self._emu._submit(state, lambda: np.copyto(self._a, data))
 
@@ -165,7 +166,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return out
 
     def fill(self, value) -> None:
-        self._a.fill(value)
+        self._emu._in_place(lambda: self._a.fill(value))
 
     def __len__(self) -> int:
         return len(self._a)
@@ -214,7 +215,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
             other = other._a
         elif isinstance(other, np.ndarray):
             raise TypeError("emulated CuPy: mixing device and host arrays")
-        fn(self._a, other, out=self._a, casting="same_kind")
+        self._emu._in_place(lambda: fn(self._a, other, out=self._a, casting="same_kind"))
         return self
 
     def __iadd__(self, other):
@@ -233,6 +234,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def _item(self):
         if self._a.size != 1:
             raise TypeError("only arrays of one element convert to Python scalars")
+        self._emu.refuse_in_capture(self._copy_stream(None))  # a host copy, as get()
         return self._a.reshape(()).item()
 
     def __int__(self) -> int:

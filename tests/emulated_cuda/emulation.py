@@ -18,6 +18,7 @@ from .basics import (INVALID_ARGUMENT, INVALID_USAGE, MEMCPY_DEFAULT, MEMCPY_DEV
                      NCCL_CONSTANTS, NCCL_VERSION, REMOTE_ERROR, UNIQUE_ID_BYTES, CUDARuntimeError,
                      NcclError, _cuda_error, _index, _shape, _size_t)
 from .arrays import _Capsule, ndarray
+from .kernels import RawModule, forget_earlier_gpus
 from .cuda_objects import Device, Event, Graph, Stream, _StreamState
 from .communicator import _Clique, NcclCommunicator
 
@@ -55,14 +56,17 @@ class Emulation:
         # when set (a threading.Event), abort() waits for it first, as NCCL's abort may wait
         # for the other ranks of the node to abort too
         self.abort_hold: Optional[threading.Event] = None
+        self.kernel_launches = 0  # of the bucketing kernels (emulated_cuda/kernels.py)
         self.host_copies: List[Tuple[str, _StreamState]] = []  # ndarray.set / get: the stream
         self.cupy, self.nccl = self._build_modules()
+        forget_earlier_gpus()
 
     # -------------------------------------------------------------- modules
     def _build_modules(self):
         emu = self
         bind = {"_emu": self}
-        ndarray_t = type("ndarray", (ndarray,), bind)
+        # CuPy's module name: gpucoll tells CuPy arrays by it (kernels, array_module)
+        ndarray_t = type("ndarray", (ndarray,), dict(bind, __module__="cupy"))
         device_t = type("Device", (Device,), bind)
         stream_t = type("Stream", (Stream,), bind)
         event_t = type("Event", (Event,), bind)
@@ -119,6 +123,7 @@ class Emulation:
         cupy.__version__ = "14.0.0 (emulated)"
         cupy.cuda = cuda
         cupy.ndarray = ndarray_t
+        cupy.RawModule = type("RawModule", (RawModule,), bind)
         cupy.asarray = lambda a, dtype=None: emu.asarray(a, dtype)
         cupy.array = lambda obj, dtype=None, copy=True: emu.asarray(obj, dtype).copy() \
             if copy else emu.asarray(obj, dtype)
@@ -184,7 +189,30 @@ class Emulation:
     def _filled(self, shape, dtype, value) -> ndarray:
         array = self._alloc(shape, dtype)
         array._a[...] = value
+        host = array._a  # a capture records the fill too (CuPy's memset or fill kernel)
+        self._in_place(lambda: host.__setitem__(Ellipsis, value), now=False)
         return array
+
+    def _in_place(self, change: Callable[[], None], now: bool = True) -> None:
+        """An in-place change of device memory (setitem, fill, ``+=``): done now, as the rest of
+        this emulation's array arithmetic; on a capturing current stream recorded into its
+        graph instead, and done at each launch, as a captured kernel is (``now=False``: only
+        recorded, and only in a capture)."""
+        state = self._state(self.get_current_stream().ptr)
+        if not self._captured(state, lambda target: self._submit(target, change)) and now:
+            change()
+
+    def _view(self, ptr: int, count: int, dtype: np.dtype, device: int) -> np.ndarray:
+        """A kernel's view of ``count`` elements at ``ptr``: they must lie in one allocation
+        of ``device`` that is still alive (else cudaErrorIllegalAddress, as on a GPU)."""
+        nbytes = count * dtype.itemsize
+        if nbytes == 0:
+            return np.empty(0, dtype)
+        found = self._find(ptr, nbytes)
+        if found is None or found[2] != device:
+            raise CUDARuntimeError(f"cudaErrorIllegalAddress: a kernel on GPU {device} read "
+                                   f"[{ptr:#x}, +{nbytes} bytes), which is not allocated there")
+        return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dtype)
 
     def _from_host(self, host: np.ndarray, device: Optional[int] = None) -> ndarray:
         array = self._alloc(host.shape, host.dtype, device)
@@ -216,6 +244,9 @@ class Emulation:
             array = self._from_interface(interface, obj)
             return array if dtype is None or np.dtype(dtype) == array.dtype \
                 else array.astype(dtype)
+        # a copy from host memory on the current stream: not in a capture (CuPy stages it
+        # through pinned memory it reuses, tied to an event; modelled as CUDA's refusal)
+        self.refuse_in_capture(self._state(self.get_current_stream().ptr))
         return self._from_host(np.asarray(obj, dtype=dtype))
 
     def _from_interface(self, interface: dict, owner: Any) -> ndarray:
