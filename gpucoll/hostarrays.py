@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from . import cuda_env
+
 __all__ = ["host_view", "like_caller", "is_host_dlpack", "array_module"]
 
 _HOST_DEVICES = (1, 3)  # DLPack kDLCPU, kDLCUDAHost (pinned host memory)
@@ -30,8 +32,6 @@ def array_module(x: Any):
     """CuPy for a CuPy array, else NumPy: the module the training helpers compute with (CuPy is
     imported only when ``x`` already is one of its arrays)."""
     if type(x).__module__.split(".")[0] == "cupy":
-        from . import cuda_env
-
         return cuda_env.cupy_module()
     return np
 

@@ -140,7 +140,8 @@ def test_what_a_capture_cannot_hold_is_refused_before_anything_is_enqueued(run, 
             messages.append(str(caught.value))
             graph = stream.end_capture()
         assert comm._seq == seq and emu.pending(stream) == 0
-        plain.reduce(grads)  # outside the capture all is well
+        plain.reduce(grads)  # outside the capture all is well, the refused steps abandoned
+        hooked.reduce([cp.asarray(g) for g in _grads(comm.rank, 1)])
         comm.synchronize()
         return messages, len(graph.nodes)
 
@@ -151,3 +152,4 @@ def test_what_a_capture_cannot_hold_is_refused_before_anything_is_enqueued(run, 
         assert messages[1].startswith("Bucketer: a comm hook (PowerSGD) cannot be captured")
         assert messages[2].startswith("Bucketer: gradient accumulation (no_sync) cannot be "
                                       "captured")
+        assert all(m.endswith("(this step was abandoned)") for m in messages[1:]), messages

@@ -39,6 +39,7 @@ __all__ = ["Bucketer", "broadcast_parameters", "plan_buckets"]
 MiB = 1 << 20
 _NOT_CAPTURED = ("Bucketer: {what} cannot be captured into a CUDA graph: {why} (end the "
                  "capture first; see gpucoll.ddp.bucketer)")
+_ABANDONED = " (this step was abandoned)"
 _COMPRESSION = {None: None, "none": None, "bf16": "bfloat16", "bfloat16": "bfloat16",
                 "fp16": "float16", "float16": "float16"}
 
@@ -227,10 +228,12 @@ class Bucketer:
             raise ValueError(f"gradient {index} must be C-contiguous (the comm hook writes "
                              f"the average into it)")
         if self._accumulating and device_array_in_capture(grad):
+            self._reset(wait=False)
             raise RuntimeError(_NOT_CAPTURED.format(what="gradient accumulation (no_sync)",
                                                     why="its accumulators outlive the step; "
                                                         "add micro-batch gradients into the "
-                                                        "gradient arrays inside the step"))
+                                                        "gradient arrays inside the step")
+                               + _ABANDONED)
         self._grads[index] = grad
         self._callers[index] = caller
         if self._accumulating:
@@ -253,9 +256,10 @@ class Bucketer:
             capturing = device_array_in_capture(grads[0])
             if self.comm_hook is not None:
                 if capturing:
+                    self._reset(wait=False)
                     raise RuntimeError(_NOT_CAPTURED.format(
                         what=f"a comm hook ({type(self.comm_hook).__name__})",
-                        why="it decides on the host what travels"))
+                        why="it decides on the host what travels") + _ABANDONED)
                 self.comm_hook.issue(self._next_issue, grads)
                 self._next_issue += 1
                 continue
