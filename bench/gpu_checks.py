@@ -17,7 +17,8 @@ Phases (``--phase``, comma-separated; default all, in this order):
   memory): the all-reduce example and the digits training example.
 - ``bench``: ``bench_nccl.py`` (gpucoll against direct ``cupy.cuda.nccl`` calls, 1 rank and 2
   ranks), ``bench_bucket.py`` (fused pack / unpack against a device-to-device copy and a
-  per-array loop) and ``gpucoll topo``.
+  per-array loop), ``bench_ddp_graph.py`` (a DDP step eager against captured into a CUDA
+  graph, 1 rank and 2 ranks) and ``gpucoll topo``.
 - ``sweep``: ``gpucoll bench all_reduce -g 1 -b 8 -e 1G -f 4`` and ``-g 2``, as JSON (plot it
   anywhere with ``gpucoll bench --from-json FILE --plot FILE.png``).
 
@@ -159,6 +160,13 @@ def plan(out: str, digits: Optional[str] = None, workers: int = 0) -> List[Step]
         Step("bench", "bench-bucket", 120,
              [PY, "bench/bench_bucket.py", "--skip-cpu", "--skip-e2e", "--json", j("bucket.json")],
              outputs=[j("bucket.json")]),
+        Step("bench", "bench-ddp-graph-1-rank", 120,
+             [PY, "bench/bench_ddp_graph.py", "--json", j("ddp_graph_1rank.json")],
+             outputs=[j("ddp_graph_1rank.json")]),
+        Step("bench", "bench-ddp-graph-2-ranks", 150,
+             _gpucoll("run", "-n", "2", "bench/bench_ddp_graph.py", "--steps", "20", "--json",
+                      j("ddp_graph_2ranks.json")),
+             TWO_RANKS_ON_ONE_GPU, outputs=[j("ddp_graph_2ranks.json")]),
         Step("bench", "topo", 90, _gpucoll("topo", "--json", j("topo.json")), outputs=[j("topo.json")]),
         Step("sweep", "bench-all-reduce-g1", 200,
              _gpucoll("bench", "all_reduce", "-g", "1", "-b", "8", "-e", "1G", "-f", "4",

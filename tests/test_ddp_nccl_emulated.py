@@ -153,3 +153,23 @@ def test_what_a_capture_cannot_hold_is_refused_before_anything_is_enqueued(run, 
         assert messages[2].startswith("Bucketer: gradient accumulation (no_sync) cannot be "
                                       "captured")
         assert all(m.endswith("(this step was abandoned)") for m in messages[1:]), messages
+
+
+def test_the_graph_benchmark_checks_its_results(run, emu):
+    """bench/bench_ddp_graph.py's measurement on emulated ranks: its eager and graph steps
+    give the same gradients, over several buckets (timings mean nothing here)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                        "bench_ddp_graph.py")
+    spec = importlib.util.spec_from_file_location("bench_ddp_graph", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sizes = bench.gradient_sizes(12, 64 << 10)
+    assert len(sizes) == 12 and min(sizes) >= 256
+
+    rows = run(2, lambda comm: bench.measure(comm, emu.cupy, sizes, 8 << 10, steps=2))
+    for row in rows:
+        assert row["equal"] and row["ranks"] == 2 and row["buckets"] > 2, row
+        assert row["graph_step_us"] > 0 and row["eager_step_us"] > 0
