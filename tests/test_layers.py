@@ -1,7 +1,7 @@
 """The package's layers import downward only, and no module imports its way back to itself.
 
 Layers, lowest first: basics (errors, types, config, auth, work, communicator and its helpers, the CUDA/NCCL
-probe, the kernel loader, the CLI helpers) -> rendezvous -> transports -> algorithms ->
+probe and graph-capture check, the kernel loader, the CLI helpers) -> rendezvous -> transports -> algorithms ->
 backends -> api -> what sits on top (launcher, bench, topo, doctor, cli, training helpers,
 examples). Every import counts, also the ones inside functions.
 """
@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gpucoll"
 
 LAYERS = {
     "errors": 0, "types": 0, "config": 0, "auth": 0, "work": 0, "communicator": 0,
-    "cuda_env": 0, "kernels": 0, "cliutil": 0, "hostarrays": 0, "objects": 0, "composite": 0,
+    "cuda_env": 0, "graph_capture": 0, "kernels": 0, "cliutil": 0, "hostarrays": 0, "objects": 0, "composite": 0,
     "composite_alltoall": 0, "sendrecv": 0, "batch_p2p": 0, "groups": 0,
     "default_comm": 0, "orphan_guard": 0, "flight_recorder": 0,
     "rendezvous": 1, "transports": 2, "algorithms": 3, "backends": 4, "api": 5,
