@@ -50,7 +50,13 @@ from .ordering import Channel, OpOrder
 from .staging import Staged
 from .workers import WorkerThreads
 
-__all__ = ["CPUCommunicator"]
+__all__ = ["CPUCommunicator", "EAGER_SEND_BYTES"]
+
+#: ``isend`` of at most this many bytes writes in the caller's thread what the link takes at
+#: once (usually all of it: the Work is done on return), when no earlier operation holds the
+#: link; a worker thread sends any rest. Larger ones go to a worker whole, so the caller's
+#: thread is never held up copying much.
+EAGER_SEND_BYTES = 64 << 10
 
 def _flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1)
@@ -175,18 +181,28 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
             return self._seq
 
     def _submit(self, name: str, seq: int, channels: Sequence[Channel],
-                body: Callable[[float], object], async_op: bool, timeout: Optional[float] = None):
-        """Run ``body(deadline)`` in issue order, now or (async_op) on a worker thread."""
+                body: Callable[[float], object], async_op: bool, timeout: Optional[float] = None,
+                start: Optional[Callable[[float], Optional[Callable[[float], object]]]] = None):
+        """Run ``body(deadline)`` in issue order, now or (async_op) on a worker thread.
+
+        ``start`` (async_op only): when no earlier operation holds the channels, run at once in
+        the caller's thread instead of handing the whole operation to a worker: it returns None
+        when it finished the operation (the Work is done), else the body that finishes it."""
         self._check_alive()
         entry = self._order.issue(channels)
         limit = self.timeout if timeout is None else timeout
         if not async_op:
             return self._execute(name, seq, entry, body, limit)
         work = Work(name, seq, self.rank, limit * 2, on_timeout=self._abort_with)
+        started = start is not None and self._order.try_acquire(entry)
+        if started:
+            body = self._start_now(name, seq, entry, start, limit, work)
+            if body is None:
+                return work
 
         def run() -> None:
             try:
-                result = self._execute(name, seq, entry, body, limit)
+                result = self._execute(name, seq, entry, body, limit, acquired=started)
             except BaseException as exc:  # handed to wait()
                 work._finish(exception=exc)
             else:
@@ -195,21 +211,44 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
         self._workers.submit(run)
         return work
 
-    def _execute(self, name: str, seq: int, entry, body, limit: float):
-        start = time.monotonic()
+    def _start_now(self, name: str, seq: int, entry, start, limit: float, work: Work):
+        """``start`` of an operation first in its channels, in the caller's thread: None when
+        it finished the operation (or failed: ``work`` holds the outcome, the channels are
+        released), else the body that finishes it, the channels still held for it."""
         try:
-            if not self._order.acquire(entry, start + limit, lambda: self._aborted is not None):
+            rest = self._execute(name, seq, entry, start, limit, acquired=True, hold=True)
+        except BaseException as exc:  # handed to wait(), as from a worker
+            work._finish(exception=exc)
+            return None
+        if rest is None:
+            self._order.release(entry)
+            work._finish(None)
+        return rest
+
+    def _execute(self, name: str, seq: int, entry, body, limit: float, *,
+                 acquired: bool = False, hold: bool = False):
+        """``body(deadline)`` once the operation is first in its channels (``acquired``: it
+        already is); the channels are released after it, or only on an error with ``hold``
+        (what ``body`` returned continues the operation)."""
+        start = time.monotonic()
+        done = False
+        try:
+            if not acquired and not self._order.acquire(entry, start + limit,
+                                                         lambda: self._aborted is not None):
                 self._check_alive()
                 raise CommTimeoutError(
                     f"rank {self.rank}: {name} #{seq} could not start within {limit:g} s: earlier "
                     f"operations on this communicator did not finish",
                     rank=self.rank, op=name, seq=seq, limit=limit)
             self._check_alive()
-            return body(time.monotonic() + limit)
+            result = body(time.monotonic() + limit)
+            done = True
+            return result
         except GpucollError as exc:
             self._fail(name, seq, exc, limit)
         finally:
-            self._order.release(entry)
+            if not (hold and done):
+                self._order.release(entry)
 
     def _fail(self, name: str, seq: int, exc: GpucollError, limit: float) -> None:
         """Raise what a failed op should raise, aborting the communicator (a dead peer, a
@@ -399,7 +438,12 @@ class CPUCommunicator(SharedMemoryPath, Communicator):
             self._transport.send(dst, byte_view(src.host), frame, deadline)
             return None
 
-        return self._submit("send", frame.seq, [("send", dst)], body, async_op)
+        def start(deadline: float):  # an eager isend: what the link takes now, as MPI's
+            return self._transport.start_send(dst, byte_view(src.host), frame)
+
+        eager = async_op and src.host.nbytes <= EAGER_SEND_BYTES
+        return self._submit("send", frame.seq, [("send", dst)], body, async_op,
+                            start=start if eager else None)
 
     def _recv(self, out, src: int, tag: int, async_op: bool, stream=None):
         self._check_alive()

@@ -52,6 +52,11 @@ class OpOrder:
                 self._cond.wait(min(remaining, 0.5))
             return True
 
+    def try_acquire(self, entry: Tuple[int, Sequence[Channel]]) -> bool:
+        """Whether the operation of ``entry`` may start now (first in all its queues)."""
+        with self._cond:
+            return self._ready(*entry)
+
     def release(self, entry: Tuple[int, Sequence[Channel]]) -> None:
         ticket, channels = entry
         with self._cond:

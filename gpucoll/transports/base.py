@@ -126,6 +126,14 @@ class Transport(abc.ABC):
         self.exchange([(send_peer, send_buf)], [Recv(recv_peer, recv_buf, reduce, itemsize)],
                       frame, deadline)
 
+    def start_send(self, peer: int, buf: memoryview, frame: Frame
+                   ) -> Optional[Callable[[float], None]]:
+        """Begin sending ``buf`` to ``peer`` without waiting: None when the link took all of it
+        (it is on its way; ``buf`` may be reused), else a function of a deadline that sends the
+        rest. Until that returns nothing else may be written to ``peer``. Here nothing is sent
+        at once; a transport that can write without blocking overrides it."""
+        return lambda deadline: self.send(peer, buf, frame, deadline)
+
     def close(self) -> None:
         """Close every connection (idempotent)."""
 

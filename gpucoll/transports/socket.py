@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -352,17 +352,42 @@ class SocketTransport(Transport):
             if not pending_sends and not pending_recvs:
                 return
             self._poll_loop(pending_sends, pending_recvs, frame, deadline)
-        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
-            peer = self._peer_of_error(send_states, recv_states)
+        except OSError as exc:
+            self._link_failed(exc, send_states, recv_states, frame)
+
+    def start_send(self, peer: int, buf: memoryview, frame: Frame
+                   ) -> Optional[Callable[[float], None]]:
+        """Write what the socket takes now (a message that fits its buffer: all of it); the
+        rest, if any, is sent by the returned function (see ``Transport.start_send``)."""
+        state = _Send(peer, self._peer_sock(peer, frame), frame.pack(len(buf)), buf)
+        try:
+            if state.progress():
+                return None
+        except OSError as exc:
+            self._link_failed(exc, [state], [], frame)
+
+        def rest(deadline: float) -> None:
+            try:
+                self._poll_loop([state], [], frame, deadline)
+            except OSError as exc:
+                self._link_failed(exc, [state], [], frame)
+
+        return rest
+
+    def _link_failed(self, exc: OSError, sends: List[_Send], recvs: List[_Recv],
+                     frame: Frame) -> None:
+        """Raise what a socket error during ``frame`` means: a lost peer or a closed transport
+        is a ``PeerError`` naming them; anything else as it is."""
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+            peer = self._peer_of_error(sends, recvs)
             raise PeerError(
                 f"rank {self.rank}: connection to peer {peer} lost during {frame.op} "
                 f"#{frame.seq} ({exc.strerror or exc}); peer {peer} likely died or aborted",
                 rank=self.rank, peer=peer, op=frame.op, seq=frame.seq) from None
-        except OSError as exc:
-            if exc.errno in (errno.EBADF, errno.ENOTCONN) or self._closed:
-                raise PeerError(f"rank {self.rank}: transport closed during {frame.op} #{frame.seq}",
-                                rank=self.rank, op=frame.op, seq=frame.seq) from None
-            raise
+        if exc.errno in (errno.EBADF, errno.ENOTCONN) or self._closed:
+            raise PeerError(f"rank {self.rank}: transport closed during {frame.op} #{frame.seq}",
+                            rank=self.rank, op=frame.op, seq=frame.seq) from None
+        raise exc
 
     @staticmethod
     def _peer_of_error(sends: List[_Send], recvs: List[_Recv]) -> Optional[int]:
