@@ -25,14 +25,12 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gpucoll  # noqa: E402
 from gpucoll.ddp import Bucketer  # noqa: E402
 
 LOSS_SCALE = 1024.0
@@ -108,13 +106,6 @@ def measure(comm, cupy, sizes, bucket_bytes: int, steps: int):
     return out
 
 
-def _init():
-    if "WORLD_SIZE" in os.environ:
-        return gpucoll.init(backend="nccl")
-    tmp = tempfile.mkdtemp(prefix="gpucoll-bench-")
-    return gpucoll.init(backend="nccl", rank=0, world_size=1, url=f"file://{tmp}/store")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arrays", type=int, default=200, help="gradients (default 200)")
@@ -124,20 +115,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
 
-    from gpucoll.cuda_env import nccl_unavailable_reason
+    from bench_nccl import open_nccl
 
-    reason = nccl_unavailable_reason()
-    if reason is not None:
-        print(f"bench_ddp_graph: no NCCL backend here ({reason}); nothing to measure")
+    opened = open_nccl("bench_ddp_graph")
+    if opened is None:
         return 0
-    import cupy
-
-    comm = _init()
+    comm, cupy, name = opened
     try:
         row = measure(comm, cupy, gradient_sizes(args.arrays, int(args.mib * MiB)),
                       args.bucket_kib * KiB, args.steps)
-        props = cupy.cuda.runtime.getDeviceProperties(comm.device)
-        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         row.update(device=name, nccl=comm.nccl_version, cupy=cupy.__version__,
                    python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
     finally:

@@ -105,6 +105,23 @@ def _init():
     return gpucoll.init(backend="nccl", rank=0, world_size=1, url=f"file://{tmp}/store")
 
 
+def open_nccl(script: str):
+    """``(comm, cupy, GPU name)`` for a GPU benchmark: one rank, or the ranks of ``gpucoll
+    run``; None (after saying why) where there is no NCCL backend to measure."""
+    from gpucoll.cuda_env import nccl_unavailable_reason
+
+    reason = nccl_unavailable_reason()
+    if reason is not None:
+        print(f"{script}: no NCCL backend here ({reason}); nothing to measure")
+        return None
+    import cupy
+
+    comm = _init()
+    props = cupy.cuda.runtime.getDeviceProperties(comm.device)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return comm, cupy, name
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-b", "--minbytes", default="8", help="smallest size (default 8)")
@@ -116,18 +133,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
 
-    from gpucoll.cuda_env import nccl_unavailable_reason as unavailable_reason
-
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"bench_nccl: no NCCL backend here ({reason}); nothing to measure")
+    opened = open_nccl("bench_nccl")
+    if opened is None:
         return 0
-    import cupy
-
-    comm = _init()
+    comm, cupy, name = opened
     try:
-        props = cupy.cuda.runtime.getDeviceProperties(comm.device)
-        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         header = {
             "device": name, "ranks": comm.size, "nccl": comm.nccl_version,
             "cupy": cupy.__version__, "python": platform.python_version(),
