@@ -198,6 +198,9 @@ class NCCLCommunicator(OnePassCalls, NCCLCollectives, GraphLaunches, ProgressRep
         if not first:
             self._abort_done.wait(nccl_runtime.ABORT_WAIT + 1.0)
             return
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:  # a call that entered NCCL before the failure returns first:
+            watchdog.await_host_call(nccl_runtime.HOST_CALL_GRACE)  # the abort frees the comm
         try:
             nccl_runtime.abort_bounded(self.nccl_comm, self._teardown, self.device, self.rank)
         finally:
@@ -319,6 +322,9 @@ class NCCLCommunicator(OnePassCalls, NCCLCollectives, GraphLaunches, ProgressRep
         pending.comm = self
         watchdog = self._watchdog
         watchdog.enter_host_call(pending)
+        if self._failure is not None:  # failed since the caller looked: its abort may be
+            watchdog.leave_host_call()  # freeing the NCCL communicator; never call into it
+            raise self._error()
         try:
             launch(*args, ptr)
         except BaseException as exc:

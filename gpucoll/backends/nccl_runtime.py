@@ -128,6 +128,7 @@ def run_bounded(fn: Callable[[], Any], device: int, timeout: float, what: str, o
 
 
 ABORT_WAIT = 5.0  # seconds a failing call waits for ncclCommAbort before it raises anyway
+HOST_CALL_GRACE = 1.0  # seconds an abort waits for a call another thread is making into NCCL
 
 
 def abort_bounded(nccl_comm: Any, lock: threading.Lock, device: int, rank: int) -> None:

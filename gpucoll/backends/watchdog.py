@@ -22,6 +22,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 __all__ = ["Pending", "Watchdog", "CudaFault", "EVENT_NOT_READY"]
 
 EVENT_NOT_READY = 600  # cudaErrorNotReady: the work before the event is still running
+HOST_CALL_POLL = 0.0002  # seconds between looks at a call into NCCL an abort waits for
 
 
 class CudaFault(RuntimeError):
@@ -151,6 +152,19 @@ class Watchdog:
 
     def leave_host_call(self) -> None:
         self._host_call = None
+
+    def await_host_call(self, grace: float) -> None:
+        """Wait (at most ``grace`` seconds) until the issuing thread has left its call into
+        NCCL, unless that call is stuck past its deadline. Before an abort frees the NCCL
+        communicator, which a call still inside it would go on using; a stuck call is the
+        one the abort is there to end."""
+        give_up = time.monotonic() + grace
+        while True:
+            call = self._host_call
+            now = time.monotonic()
+            if call is None or now >= call.deadline or now >= give_up:
+                return
+            time.sleep(HOST_CALL_POLL)
 
     def outstanding(self) -> List[Pending]:
         """Operations not yet seen complete, oldest first."""

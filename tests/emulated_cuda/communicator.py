@@ -171,11 +171,31 @@ class NcclCommunicator:
         self._status = "ok"  # "aborted", "destroyed"
         self._async_error: Optional[NcclError] = None
         self._queries = 0  # check_async_error() calls in flight (on any thread)
+        self._in_call = 0  # calls held inside NCCL by emu.call_hold (on any thread)
+        self._tearing_down = False  # abort() under way
         clique.members[rank] = self
         clique.devices[rank] = device
 
     # -------------------------------------------------------------- checks
     def _usable(self) -> None:
+        """The checks every call into NCCL starts with: a call while ``abort()`` frees the
+        communicator on another thread would use freed memory (recorded as an error); after it
+        CuPy's handle is NULL. With ``emu.call_hold`` set, the call is held here first, inside
+        NCCL, as a slow enqueue is."""
+        emu = self._emu
+        hold = emu.call_hold
+        if hold is not None:
+            with emu.cond:
+                self._in_call += 1
+            try:
+                hold.wait(30)
+            finally:
+                with emu.cond:
+                    self._in_call -= 1
+        if self._tearing_down:
+            emu.errors.append(NcclError(INVALID_USAGE, (
+                f"rank {self._rank}: a call into NCCL while abort() ran on another thread "
+                f"(real NCCL frees the communicator under it)")))
         if self._status != "ok":
             raise NcclError(INVALID_ARGUMENT, f"the communicator was {self._status} (NULL comm)")
 
@@ -473,19 +493,28 @@ class NcclCommunicator:
             self._emu.errors.append(NcclError(INVALID_USAGE, (
                 f"rank {self._rank}: {name} while check_async_error() ran on another thread "
                 f"(real NCCL frees the communicator under it)")))
+        if self._in_call and self._status == "ok":
+            self._emu.errors.append(NcclError(INVALID_USAGE, (
+                f"rank {self._rank}: {name} while another thread was inside a call into NCCL "
+                f"(real NCCL frees the communicator under it)")))
 
     def abort(self) -> None:
         emu = self._emu
         emu.calls["abort"] += 1
-        if emu.abort_hold is not None:
-            emu.abort_hold.wait(30)
         with emu.cond:
             self._teardown_check("abort()")
-            if self._status != "ok":
-                return
-            self._status = "aborted"
-            self._clique.aborted = f"rank {self._rank} aborted the communicator"
-            emu.cond.notify_all()
+            self._tearing_down = self._status == "ok"
+        try:
+            if emu.abort_hold is not None:
+                emu.abort_hold.wait(30)
+            with emu.cond:
+                if self._status != "ok":
+                    return
+                self._status = "aborted"
+                self._clique.aborted = f"rank {self._rank} aborted the communicator"
+                emu.cond.notify_all()
+        finally:
+            self._tearing_down = False
 
     def destroy(self) -> None:
         emu = self._emu

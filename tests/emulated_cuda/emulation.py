@@ -56,6 +56,9 @@ class Emulation:
         # when set (a threading.Event), abort() waits for it first, as NCCL's abort may wait
         # for the other ranks of the node to abort too
         self.abort_hold: Optional[threading.Event] = None
+        # when set (a threading.Event), every call into NCCL waits for it inside the call, as a
+        # slow enqueue would (the tests of an abort racing a call on another thread)
+        self.call_hold: Optional[threading.Event] = None
         self.kernel_launches = 0  # of the bucketing kernels (emulated_cuda/kernels.py)
         self.host_copies: List[Tuple[str, _StreamState]] = []  # ndarray.set / get: the stream
         self.cupy, self.nccl = self._build_modules()
