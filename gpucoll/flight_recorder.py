@@ -128,7 +128,8 @@ def record_failure(comm: Any, recorder: Recorder, record: list, exc: BaseExcepti
         dump(comm, f"{record[_OP]} #{record[_NUMBER]} failed: {type(exc).__name__}: {exc}")
 
 
-def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
+def traced(describe: Callable[..., tuple], *, returns_works: bool = False,
+           op: Optional[str] = None):
     """Record every call of a public operation (see the module doc).
 
     Args:
@@ -136,9 +137,10 @@ def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
             ``(shape, dtype, root, peer, tag, extra fields or None)``; must not raise.
         returns_works: the method returns a list of Works standing for one operation
             (``batch_isend_irecv``).
+        op: the operation's name in the records (default: the method's).
     """
     def decorate(method: Callable) -> Callable:
-        op = method.__name__
+        name = op or method.__name__
 
         @functools.wraps(method)
         def traced_method(self, *args, **kwargs):
@@ -151,7 +153,7 @@ def traced(describe: Callable[..., tuple], *, returns_works: bool = False):
                 fields = describe(*args, **kwargs)
             except Exception:  # arguments it cannot read: the method itself names the error
                 fields = _UNKNOWN
-            record = [next(recorder.numbers), op, fields, _now(), None, _PENDING, None]
+            record = [next(recorder.numbers), name, fields, _now(), None, _PENDING, None]
             recorder.records.append(record)
             try:
                 result = method(self, *args, **kwargs)

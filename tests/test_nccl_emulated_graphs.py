@@ -131,6 +131,111 @@ def test_a_launch_that_a_rank_never_makes_times_out_by_name(run, emu):
     assert states == [("launch_graph", "failed"), ("all_reduce", "failed")], states
 
 
+def _two_groups_graph(comm, cp):
+    """A second communicator of the same ranks and GPU (``split``), and a graph that captured
+    an all_reduce of the first and an all_gather of the second: (group, graph, stream, x, out)."""
+    group = comm.split(0)
+    x = cp.full(4, comm.rank + 1.0, dtype=cp.float32)
+    out = cp.zeros((comm.size, 4), dtype=cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        comm.all_reduce(x)
+        group.all_gather(x, out=out)
+        graph = stream.end_capture()
+    return group, graph, stream, x, out
+
+
+def test_a_graph_of_two_communicators_is_followed_by_both(run, emu):
+    """``launch_graph(..., also=[group])``: each launch is one collective of both
+    communicators (sequence numbers, records), and the results are NumPy's."""
+    cp = emu.cupy
+
+    def fn(comm):
+        group, graph, stream, x, out = _two_groups_graph(comm, cp)
+        seqs = (comm._seq, group._seq)
+        results = []
+        for _ in range(LAUNCHES):
+            comm.launch_graph(graph, stream=stream, also=[group])
+            stream.synchronize()
+            results.append((x.get().tolist(), out.get().tolist()))
+        comm.synchronize()
+        group.synchronize()
+        advanced = (comm._seq - seqs[0], group._seq - seqs[1])
+        records = (_states(comm)[-LAUNCHES:], _states(group)[-LAUNCHES:])
+        group.close()
+        return results, advanced, records
+
+    n = 2
+    for results, advanced, records in run(n, fn):
+        value = np.arange(1.0, n + 1)  # what each rank's x held before the launches
+        for got_x, got_out in results:
+            value = np.full(n, value.sum())  # all_reduce, then the same on every rank
+            np.testing.assert_array_equal(got_x, np.full(4, value[0]))
+            np.testing.assert_array_equal(got_out, np.full((n, 4), value[0]))
+        assert advanced == (LAUNCHES, LAUNCHES)
+        assert records == ([("launch_graph", "done")] * LAUNCHES,) * 2
+
+
+def test_both_watchdogs_hold_a_launch_that_never_finishes(run, emu):
+    """A launch of two communicators' graph that cannot finish (rank 1 never launches) fails
+    both communicators by name, each at its own timeout."""
+    cp = emu.cupy
+    finished = threading.Event()
+
+    def fn(comm):
+        group, graph, stream, x, out = _two_groups_graph(comm, cp)
+        if comm.rank == 1:
+            assert finished.wait(10)  # never launches
+            return None
+        try:
+            emu.stall(stream)  # the launched kernels wait for rank 1, as on a GPU
+            comm.launch_graph(graph, stream=stream, also=[group])
+            errors = []
+            for each in (comm, group):
+                with pytest.raises(CommTimeoutError) as info:
+                    each.synchronize(timeout=5)
+                errors.append(str(info.value))
+            return errors, _states(group)[-1]
+        finally:
+            finished.set()
+
+    (errors, last), _ = run(2, fn, timeout=0.5)
+    for error in errors:
+        assert "rank 0: launch_graph #" in error and "did not complete on GPU 0" in error, error
+    assert last == ("launch_graph", "failed")
+
+
+def test_the_communicators_a_launch_names_are_checked_before_it(run, emu):
+    cp = emu.cupy
+
+    def fn(comm):
+        group, graph, stream, x, out = _two_groups_graph(comm, cp)
+        seqs = (comm._seq, group._seq)
+        cases = [("x", TypeError, "also must be a sequence of NCCL communicators, got str"),
+                 ([object()], TypeError, r"also\[0\] must be an NCCL communicator, got object"),
+                 ([comm], ValueError, r"also\[0\] is this communicator"),
+                 ([group, group], ValueError, r"also\[1\] is given twice")]
+        for also, error, message in cases:
+            with pytest.raises(error, match=message):
+                comm.launch_graph(graph, stream=stream, also=also)
+        device, group.device = group.device, 3  # as a communicator of another GPU
+        try:
+            with pytest.raises(ValueError, match=r"also\[0\] is on GPU 3, this communicator "
+                                                 r"on GPU \d: a graph runs on one GPU"):
+                comm.launch_graph(graph, stream=stream, also=[group])
+        finally:
+            group.device = device
+        assert (comm._seq, group._seq) == seqs and emu.pending(stream) == 0
+        group.close()
+        with pytest.raises(Exception, match="closed"):
+            comm.launch_graph(graph, stream=stream, also=[group])
+        assert comm._seq == seqs[0]
+        return True
+
+    assert run(2, fn) == [True, True]
+
+
 def test_what_cannot_be_captured_is_refused_before_anything_is_enqueued(run, emu):
     cp = emu.cupy
 

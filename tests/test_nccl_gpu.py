@@ -334,6 +334,34 @@ def test_what_a_capture_cannot_hold_is_refused_and_the_capture_stays_valid(comm)
     assert comm.all_gather_v(x)[1] == [4]
 
 
+def test_a_graph_of_two_communicators_is_followed_by_both(comm):
+    """One graph with collectives of two communicators of the GPU, launched by one of them
+    naming the other: each launch is one collective of both, and the results are right."""
+    import cupy
+
+    group = comm.split(0)
+    try:
+        x = cupy.arange(6, dtype=cupy.float32)
+        out = cupy.zeros((1, 6), dtype=cupy.float32)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            x *= 2
+            comm.all_reduce(x)
+            group.all_gather(x, out=out)
+            graph = stream.end_capture()
+        seqs = (comm._seq, group._seq)
+        for _ in range(3):
+            comm.launch_graph(graph, stream=stream, also=[group])
+        stream.synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(out), [np.arange(6) * 8.0])
+        comm.synchronize()
+        group.synchronize()
+        assert (comm._seq - seqs[0], group._seq - seqs[1]) == (3, 3)
+    finally:
+        group.close()
+
+
 def test_a_data_parallel_step_captured_into_a_cuda_graph(comm):
     """The Bucketer's fused kernels (NVRTC) and NCCL all-reduces captured once, launched once
     per step: each launch unscales (through bfloat16) what the gradient arrays hold then, the
