@@ -4,7 +4,6 @@ order, eagerly and captured into a CUDA graph that is launched once per step. Re
 NumPy. Real CuPy, NVRTC and NCCL run the same steps in tests/test_nccl_gpu.py.
 """
 
-import gc
 import weakref
 
 import numpy as np
@@ -94,8 +93,7 @@ def test_a_captured_step_replays_at_each_launch(run, emu, n):
                 if step == 2 and comm.rank == 1:
                     host[0] = np.inf
                 array[...] = cp.asarray(host)
-            kernels._TABLES.clear()  # the eager tables go; the graph's must not
-            gc.collect()
+            kernels._TABLES.clear()  # the eager tables go (freed at once); the graph's must not
             comm.launch_graph(graph, stream=stream)
             stream.synchronize()
             seen.append(([g.get() for g in grads], int(flag().get()[0])))  # alive with graph
