@@ -16,6 +16,7 @@ from .batch_p2p import BatchP2P
 from .errors import CommAbortedError, UnsupportedOperationError
 from .composite import CompositeCollectives
 from .composite_alltoall import UnevenAllToAll
+from .composite_scatter import UnevenScatters
 from .flight_recorder import (describe_array, describe_nothing, describe_p2p, describe_rooted,
                               describe_scatter, traced)
 from .groups import Groups
@@ -36,7 +37,8 @@ def _shape_of(x: Array) -> Tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-class Communicator(Groups, CompositeCollectives, UnevenAllToAll, SendRecv, BatchP2P, abc.ABC):
+class Communicator(Groups, CompositeCollectives, UnevenAllToAll, UnevenScatters, SendRecv,
+                   BatchP2P, abc.ABC):
     """A group of ``size`` ranks that run collectives together.
 
     Besides the collectives below, every backend has the object collectives and uneven

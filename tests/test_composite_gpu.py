@@ -1,6 +1,7 @@
-"""Object collectives and uneven gathers with real CuPy arrays (skipped with a reason without
-CuPy and a GPU): on a 1-rank NCCL communicator (buffers and results stay on the GPU) and on the
-CPU backend, which stages CuPy arrays through the host and hands CuPy arrays back."""
+"""Object collectives, uneven gathers and uneven scatters with real CuPy arrays (skipped with a
+reason without CuPy and a GPU): on a 1-rank NCCL communicator (buffers and results stay on the
+GPU) and on the CPU backend, which stages CuPy arrays through the host and hands CuPy arrays
+back."""
 
 import numpy as np
 import pytest
@@ -41,3 +42,17 @@ def test_objects_and_uneven_gathers_with_cupy(comm):
         for result in both:
             assert isinstance(result, cupy.ndarray)
             np.testing.assert_array_equal(result.get(), x.get())
+
+
+def test_uneven_scatters_with_cupy(comm):
+    import cupy
+
+    host = make_input(4, 0, (7, 3), "float32")
+    x = cupy.asarray(host)
+    reduced, counts = comm.reduce_scatter_v(x, op="sum")
+    scattered, scattered_counts = comm.scatter_v(x, root=0, counts=[7])
+    assert counts == scattered_counts == [7]
+    for result in (reduced, scattered):
+        assert isinstance(result, cupy.ndarray) and result.device.id == x.device.id
+        np.testing.assert_array_equal(result.get(), host)
+    np.testing.assert_array_equal(x.get(), host)  # the input is not changed

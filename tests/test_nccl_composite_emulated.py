@@ -93,6 +93,43 @@ def test_uneven_gathers_return_device_arrays(run, emu, n):
         assert got["empty"] == ((0, 5), [0] * n)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_uneven_scatters_return_device_arrays(run, emu, n):
+    cp = emu.cupy
+    counts = [(3 * q + 1) % 4 for q in range(n)]  # 1, 0, 3: a zero among them from n=2
+    start, total = [sum(counts[:q]) for q in range(n)], sum(counts)
+
+    def fn(comm):
+        r = comm.rank
+        x = cp.asarray(make_input(7, r, (total, 2), "float32"))
+        reduced, got_counts = comm.reduce_scatter_v(x, counts, op="max")
+        ways = [comm._reduce_scatter_v_padded(x, counts, comm_op("max")),
+                comm._reduce_scatter_v_reduces(x, counts, comm_op("max"))]
+        scattered = [comm.scatter_v(x if r == root else None, root, counts) for root in range(n)]
+        return {
+            "types": {type(reduced)} | {type(a) for a, _ in scattered} | {type(a) for a in ways},
+            "device": reduced.device.id, "counts": got_counts, "reduced": reduced.get(),
+            "ways": [a.get() for a in ways],
+            "scattered": [(a.get(), c) for a, c in scattered],
+        }
+
+    inputs = [make_input(7, q, (total, 2), "float32") for q in range(n)]
+    for r, got in enumerate(run(n, fn)):
+        mine = slice(start[r], start[r] + counts[r])
+        assert got["types"] == {emu.cupy.ndarray} and got["device"] == r
+        assert got["counts"] == counts
+        for reduced in [got["reduced"]] + got["ways"]:
+            np.testing.assert_array_equal(reduced, np.max(inputs, axis=0)[mine])
+        for root, (rows, got_counts) in enumerate(got["scattered"]):
+            assert got_counts == counts
+            np.testing.assert_array_equal(rows, inputs[root][mine])
+
+
+def comm_op(name):
+    import gpucoll
+    return gpucoll.ReduceOp.parse(name)
+
+
 def test_uneven_gather_refuses_host_arrays_and_mismatched_layouts(run, emu):
     cp = emu.cupy
 

@@ -336,6 +336,10 @@ COMPOSITES = {  # name: (its input, made before the capture; the call, made comp
     "all_to_all_v": (lambda comm, cp: cp.arange(3.0) + 10 * comm.rank,
                      lambda comm, x: comm.all_to_all_v(x, counts=[[1, 2], [2, 1]])[0]
                      .get().tolist()),
+    "scatter_v": (lambda comm, cp: cp.arange(3.0) if comm.rank == 0 else None,
+                  lambda comm, x: comm.scatter_v(x, 0, [1, 2])[0].get().tolist()),
+    "reduce_scatter_v": (lambda comm, cp: cp.arange(3.0) * (comm.rank + 1),
+                         lambda comm, x: comm.reduce_scatter_v(x, [2, 1])[0].get().tolist()),
 }
 EXPECTED = {
     "broadcast_object": [{"step": 3}] * 2,
@@ -346,6 +350,8 @@ EXPECTED = {
     "all_gather_v": [[0.0, 0.0, 1.0]] * 2,
     "gather_v": [[0, 1, 1], None],
     "all_to_all_v": [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]],
+    "scatter_v": [[0.0], [1.0, 2.0]],
+    "reduce_scatter_v": [[0.0, 3.0], [6.0]],
 }
 
 
@@ -356,7 +362,7 @@ def _host(array):
 @pytest.mark.parametrize("name", sorted(COMPOSITES))
 def test_the_composite_calls_are_refused_in_a_capture_before_anything_is_enqueued(run, emu,
                                                                                   name):
-    """Objects, uneven gathers and all_to_all_v read counts or objects on the host (and pad
+    """Objects, uneven gathers and scatters and all_to_all_v read counts or objects on the host (and pad
     through temporaries): in a capture CUDA would refuse the host copy and invalidate the
     whole capture after part of the call was recorded (the emulation does as CUDA does). They
     are refused first, even with counts given: nothing recorded, no sequence number used, the

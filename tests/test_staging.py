@@ -138,6 +138,8 @@ def test_device_arrays_in_a_cuda_graph_capture_are_refused_before_anything_is_se
             "all_gather_v": lambda s: comm.all_gather_v(x),
             "gather_v": lambda s: comm.gather_v(x, counts=[4]),
             "all_to_all_v": lambda s: comm.all_to_all_v(x, [4]),
+            "scatter_v": lambda s: comm.scatter_v(x, 0, [4]),
+            "reduce_scatter_v": lambda s: comm.reduce_scatter_v(x),
         }
         stream = cp.cuda.Stream(non_blocking=True)
         for name, call in refused.items():
