@@ -29,7 +29,8 @@ the launcher records its death in the store (so ``comm.shrink()`` on the survivo
 wait for it), and the job succeeds when the survivors exit 0; it is stopped as above when
 fewer than ``min_ranks`` ranks remain. With ``replace`` it also starts a new process in the
 lost rank's place (same rank and local rank, GPUCOLL_JOIN=1), up to that many times on this
-node; its ``init()`` waits until the survivors call ``comm.grow()``. SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
+node; its ``init()`` waits until the survivors call ``comm.grow()``. With several nodes, the
+launchers agree through the store on when the job is over (:mod:`gpucoll.launch_nodes`). SIGINT, SIGTERM and SIGHUP sent to the launcher stop the ranks
 the same way (exit 128 + signal number); ``timeout`` stops them with exit code 124. A launcher
 killed outright (SIGKILL) cannot. Two layers stop its ranks then: its orphan reaper
 (:mod:`gpucoll.orphan_reaper`), a watcher it starts before the ranks, in a session of its own,
@@ -62,6 +63,8 @@ from .errors import StoreError
 from .launch_config import DEFAULT_MULTI_NODE_PORT, KILL_GRACE, LaunchConfig  # noqa: F401
 from .launch_config import Plan as _Plan
 from .launch_config import plan_launch as _plan
+from . import launch_nodes
+from .launch_nodes import NodesOfJob
 from .launch_program import THREAD_VARIABLES, limits_threads, thread_notice
 from .launch_reaper import ReaperLink
 from .launch_signals import SignalTrap as _SignalTrap
@@ -103,6 +106,7 @@ _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 _REAP_TIMEOUT = 5.0  # seconds to wait for SIGKILLed ranks to be reaped
 _READER_JOIN_TIMEOUT = 2.0  # seconds to wait for a rank's pipes to drain once it is gone
 _POLL_INTERVAL = 0.1  # longest time a signal or the timeout waits to be noticed
+NODE_CHECK_INTERVAL = 0.5  # several nodes: seconds between asks whether replacements may go
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
@@ -140,6 +144,8 @@ class _Job:
         self.admitted: Set[str] = set()   # join ids of replacements the members let in
         self.port = plan.port
         self.reaper: Optional[ReaperLink] = None  # started by run()
+        self.nodes: Optional[NodesOfJob] = None   # several nodes: started by run()
+        self._next_node_check = 0.0
 
     # -- output ---------------------------------------------------------------------------
 
@@ -296,7 +302,7 @@ class _Job:
                 if rank.dismissed or (self.cfg.elastic and self._lose(rank)):
                     continue
                 return "failed", self._root_cause(rank, trap)
-            if self.replaced and self.cfg.nnodes == 1:
+            if self.replaced:
                 self._dismiss_unadmitted()
         return "ok", None
 
@@ -353,21 +359,37 @@ class _Job:
         return True
 
     def _dismiss_unadmitted(self) -> None:
-        """One node: when every rank still running is a replacement that no member admitted,
+        """When every rank still running here is a replacement no member admitted, and no
+        member runs anywhere else either (several nodes: see :mod:`gpucoll.launch_nodes`),
         nobody is left to call ``grow()``: stop them (SIGTERM, SIGKILL after the grace)."""
         from .launch_elastic import admitted_briefly
 
         alive = self._alive()
         if not alive or any(r.join_id is None or r.join_id in self.admitted for r in alive):
             return
-        found = admitted_briefly(self.plan.master_addr, self.port, self.plan.token,
-                                 [r.join_id for r in alive])
-        if found is None:   # the store did not answer: the replacements' own timeout ends them
+        waiting = [r.join_id for r in alive]
+        if self.nodes is None:
+            found = admitted_briefly(self.plan.master_addr, self.port, self.plan.token, waiting)
+            everyone = True
+        else:
+            now = time.monotonic()
+            if now < self._next_node_check:
+                return
+            self._next_node_check = now + NODE_CHECK_INTERVAL
+            verdict = self.nodes.replacements_verdict(waiting)
+            everyone, found = verdict if verdict is not None else (False, None)
+        if found is None:   # the store did not answer: ask again later
             return
-        self.admitted |= found
-        if found:
+        mine = found & set(waiting)
+        if mine:
+            self.admitted |= mine
+            if self.nodes is not None:
+                self.nodes.withdraw_idle()
             return
-        self.say(f"the other ranks finished before the replacement(s) for rank(s) "
+        if found or not everyone:  # a member may still call grow(), here or on another node
+            return
+        where = "of every node " if self.nodes is not None else ""
+        self.say(f"the other ranks {where}finished before the replacement(s) for rank(s) "
                  f"{_ranks_text([r.rank for r in alive])} were admitted (nobody called "
                  f"comm.grow()): stopping them")
         for rank in alive:
@@ -378,6 +400,23 @@ class _Job:
             self._record_exits(_POLL_INTERVAL)
         for rank in self._alive():
             _signal_group(rank.proc.pid, signal.SIGKILL)
+
+    def _end_with_other_nodes(self, outcome: str, trap: _SignalTrap,
+                              deadline: Optional[float]) -> None:
+        """Several nodes: say this node is done; node 0, when its ranks ended well, serves
+        the store on until the other nodes' launchers are done too (bounded)."""
+        assert self.nodes is not None
+        self.nodes.say_done()
+        self.nodes.close()
+        if self.cfg.node_rank != 0 or outcome != "ok":
+            return
+        silent, running = self.nodes.await_other_nodes(deadline, lambda: bool(trap.received),
+                                                       self.say)
+        if silent:
+            self.say(f"no word from the launcher(s) of node(s) {_ranks_text(silent)} for "
+                     f"{launch_nodes.BEAT_LOST:g} s (host lost?): closed the store without them")
+        if running:
+            self.say(f"closed the store while node(s) {_ranks_text(running)} still ran")
 
     def stop_all(self, trap: _SignalTrap, settle: float = 0.0) -> None:
         """After up to ``settle`` seconds for the ranks to end on their own, SIGTERM every
@@ -460,6 +499,10 @@ class _Job:
             if self.limit_threads and self.cfg.node_rank == 0:
                 self.say(thread_notice(self.cfg.nproc))
             self.port = port
+            if self.cfg.nnodes > 1:
+                self.nodes = NodesOfJob(plan.master_addr, port, plan.token, self.cfg.node_rank,
+                                        self.cfg.nnodes)
+                self.nodes.start_beating()
             stopped = False
             try:
                 start = time.monotonic()
@@ -479,7 +522,11 @@ class _Job:
                     self.stop_all(trap, PEER_REPORT_WAIT if outcome == "failed" else 0.0)
                     stopped = True
                 self.join_readers()
+                if self.nodes is not None:
+                    self._end_with_other_nodes(outcome, trap, deadline)
             finally:
+                if self.nodes is not None:
+                    self.nodes.close()
                 if not stopped and self._alive():  # an unexpected error: never leave orphans
                     self.stop_all(trap)
                 if self.reaper is not None:
