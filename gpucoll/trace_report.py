@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO
 from .trace_timeline import chrome_trace
 
 __all__ = ["DumpError", "Dump", "read_dumps", "analyze", "report_of", "format_text",
-           "chrome_trace", "add_arguments", "main"]
+           "chrome_trace", "add_arguments", "main", "run"]
 
 _FILE_NAME = re.compile(r"^trace-rank(\d+)-(.+)\.json$")
 _FINISHED = ("done", "captured")
@@ -55,6 +55,7 @@ _SENDS, _RECEIVES = frozenset({"send", "isend"}), frozenset({"recv", "irecv"})
 # collectives whose array differs between ranks by design: compared by op and root only
 _UNEVEN = frozenset({"all_gather_v", "gather_v", "all_to_all_v", "scatter"})
 _STATE_CHARS = 120  # of a state, in the text report
+_TIMED_OUT = "failed: CommTimeoutError"
 
 
 class DumpError(ValueError):
@@ -162,15 +163,17 @@ def analyze(directory: str) -> Dict[str, Any]:
         finished: pending or failed, as the dump has them). Each finding: ``kind``
         (``"behind"``, ``"mismatch"``, ``"missing"``, ``"failed first"``, ``"stuck"``),
         ``communicator``, ``ranks``, ``op`` and ``number`` (None where none applies), ``message``
-        (the line the text report prints). The top-level ``findings`` are all of them.
+        (the line the text report prints); a mismatch also has ``calls``: each group of ranks
+        that agreed, with the fields of their call. The top-level ``findings`` are all of them.
 
     Raises:
         DumpError: no dumps, or a file that is not a readable dump (named in the message).
 
     Example::
 
-        report = gpucoll.trace_report.analyze("traces")
-        for finding in report["findings"]:
+        from gpucoll.trace_report import analyze
+
+        for finding in analyze("traces")["findings"]:
             print(finding["message"])  # behind: world1: rank 1 never issued all_reduce #3...
     """
     report = report_of(read_dumps(directory))
@@ -188,7 +191,7 @@ def report_of(dumps: Sequence["Dump"]) -> Dict[str, Any]:
             "findings": [finding for c in communicators for finding in c["findings"]]}
 
 
-def by_rank(dumps: Sequence["Dump"]) -> Dict[int, "Dump"]:
+def _by_rank(dumps: Sequence["Dump"]) -> Dict[int, "Dump"]:
     """One communicator's dumps by rank; two dumps of one rank are a :class:`DumpError`."""
     ranks: Dict[int, Dump] = {}
     for dump in dumps:
@@ -201,7 +204,7 @@ def by_rank(dumps: Sequence["Dump"]) -> Dict[int, "Dump"]:
 
 
 def _communicator_report(name: str, dumps: List["Dump"]) -> Dict[str, Any]:
-    ranks = by_rank(dumps)
+    ranks = _by_rank(dumps)
     size = max(dump.header["size"] for dump in dumps)
     missing = [rank for rank in range(size) if rank not in ranks]
     rows = {rank: _rank_row(dump) for rank, dump in sorted(ranks.items())}
@@ -278,7 +281,7 @@ def _behind(name, stuck, ranks, rows) -> List[Dict[str, Any]]:
             f"{_names(sorted(issued))} waited in (finished up to "
             f"{', '.join(f'#{n}' for n in finished)})"))
     timeouts = [(record["finished"], rank) for rank, record in issued.items()
-                if "Timeout" in record["state"] and record["finished"] is not None]
+                if record["state"].startswith(_TIMED_OUT) and record["finished"] is not None]
     if timeouts:
         gave_up, who = min(timeouts)
         late = sorted(rank for rank, record in issued.items()
@@ -342,10 +345,11 @@ def _describe(record: Dict[str, Any]) -> str:
 
 def _first_mismatch(name, ranks) -> Optional[Dict[str, Any]]:
     """The first number at which the ranks' calls disagree (see the module doc)."""
-    numbers = sorted({record["number"] for dump in ranks.values() for record in dump.records})
-    for number in numbers:
-        calls = {rank: record for rank, dump in ranks.items()
-                 if (record := _record_at(dump, number)) is not None}
+    by_number = {rank: {record["number"]: record for record in dump.records}
+                 for rank, dump in ranks.items()}
+    for number in sorted({number for records in by_number.values() for number in records}):
+        calls = {rank: records[number] for rank, records in by_number.items()
+                 if number in records}
         if len(calls) < 2:
             continue
         kinds = {record["op"] in _POINT_TO_POINT for record in calls.values()}

@@ -379,7 +379,7 @@ def test_the_timeline_has_one_event_per_call_at_its_times(tmp_path):
     ranks = {0: _done(2) + [_record(3, state=TIMED_OUT, finished=T0 + 9)],
              2: _done(2) + [_record(3, state="pending", issued=T0 + 4)]}
     for rank, records in ranks.items():
-        _write(tmp_path, rank, records, size=3, written=written)
+        _write(tmp_path, rank, records, size=4, written=written)
     _write(tmp_path, 2, [_record(1, "barrier", issued=T0 + 0.5, finished=T0 + 0.75)], size=1,
            comm="solo", comm_rank=0, written=written)
     timeline_path = tmp_path / "timeline.json"
@@ -406,8 +406,9 @@ def test_the_timeline_has_one_event_per_call_at_its_times(tmp_path):
                                                     "state")} == \
             {key: record[key] for key in ("op", "number", "bytes", "dtype", "shape", "state")}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert threads == {(0, 2): "world1 (rank 0 of 3)", (2, 1): "solo (rank 0 of 1)",
-                       (2, 2): "world1 (rank 2 of 3)"}
+    assert threads == {(0, 2): "world1 (rank 0 of 4)", (2, 1): "solo (rank 0 of 1)",
+                       (2, 2): "world1 (rank 2 of 4)"}
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert processes == {0: "rank 0 (node, 100)", 1: "rank 1 (no dump)", 2: "rank 2 (node, 102)"}
+    assert processes == {0: "rank 0 (node, 100)", 1: "rank 1 (no dump)", 2: "rank 2 (node, 102)",
+                         3: "rank 3 (no dump)"}
     assert chrome_trace(trace_report.read_dumps(str(tmp_path))) == document
