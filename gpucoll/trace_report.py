@@ -6,8 +6,9 @@ file in a directory and below it, groups them by communicator, and for each one 
 rank's last finished operation number and the operations it still had pending or that failed,
 then its findings, one line each:
 
-- ``behind``: a rank that never issued the operation the others were waiting in, or issued it
-  only after another rank had timed out in it.
+- ``behind``: a rank that never issued the operation the others were waiting in (for a
+  point-to-point call, one of its peers), or issued it only after another rank had timed out
+  in it.
 - ``mismatch``: ranks that called different collectives at the same number (op, dtype, shape,
   bytes or root), or a send and a receive at the same number that do not pair up (peer, tag,
   bytes).
@@ -266,13 +267,17 @@ def _missing(name, size, missing, ranks, rows) -> Dict[str, Any]:
 
 
 def _behind(name, stuck, ranks, rows) -> List[Dict[str, Any]]:
-    """Ranks that never issued call #stuck, or issued it after another rank timed out in it."""
+    """Ranks that never issued call #stuck, or issued it after another rank timed out in it.
+    When the ranks that issued it made point-to-point calls, only their peers were awaited."""
     issued = {rank: _record_at(dump, stuck) for rank, dump in ranks.items()}
     issued = {rank: record for rank, record in issued.items() if record is not None}
     ops = collections.Counter(record["op"] for record in issued.values())
     op = ops.most_common(1)[0][0]
     findings = []
-    never = [rank for rank, row in rows.items() if row["last_issued"] < stuck]
+    awaited = set(rows)
+    if all(record["op"] in _POINT_TO_POINT for record in issued.values()):
+        awaited = {peer for record in issued.values() for peer in _peers(record)}
+    never = [rank for rank, row in rows.items() if row["last_issued"] < stuck and rank in awaited]
     if never:
         finished = sorted({rows[rank]["last_finished"] for rank in never})
         findings.append(_finding(
@@ -293,6 +298,11 @@ def _behind(name, stuck, ranks, rows) -> List[Dict[str, Any]]:
                 f"rank {rank} issued {issued[rank]['op']} #{stuck} {lag:.3f} s after "
                 f"rank {who}, once rank {who} had timed out in it"))
     return findings
+
+
+def _peers(record: Dict[str, Any]) -> List[int]:
+    peer = record.get("peer")
+    return [p for p in (peer if isinstance(peer, list) else [peer]) if _is_int(p)]
 
 
 def _first_failure(ranks) -> Optional[Dict[str, Any]]:

@@ -204,6 +204,16 @@ def test_several_ranks_behind_are_named_together(tmp_path):
            "(finished up to #2, #3)" in finding["message"]
 
 
+def test_only_the_peers_of_a_waiting_receive_can_be_behind(tmp_path):
+    # rank 0 waits to receive from rank 2 at #3; ranks 1 and 2 finished #2 and went no further
+    _write(tmp_path, 0, _done(2) + [_record(3, "recv", state=TIMED_OUT, peer=2, tag=0)], size=3)
+    for rank in (1, 2):
+        _write(tmp_path, rank, _done(2), size=3)
+    (finding,) = trace_report.analyze(str(tmp_path))["findings"]
+    assert (finding["kind"], finding["ranks"], finding["op"], finding["number"]) == \
+        ("behind", [2], "recv", 3)
+
+
 def test_a_rank_that_issued_the_call_after_a_timeout_is_behind(tmp_path):
     # rank 0 timed out in #3 at T0+6; rank 1 issued #3 at T0+6.5, rank 2 in time
     _write(tmp_path, 0, _done(2) + [_record(3, state=TIMED_OUT, issued=T0 + 3, finished=T0 + 6)],
