@@ -7,6 +7,8 @@ Subcommands:
         :mod:`gpucoll.topo`.
     doctor: environment report for the NCCL backend (CuPy, CUDA, NCCL wheels, GPUs, which
         backend ``auto`` picks); see :mod:`gpucoll.doctor`.
+    trace: which rank is behind, from the flight recorder's dumps of all ranks (and a Chrome
+        trace-event timeline of them); see :mod:`gpucoll.trace_report`.
 
 Example::
 
@@ -16,6 +18,7 @@ Example::
     gpucoll bench all_reduce -g 4 -b 8 -e 64M -f 4 --json ar.json
     gpucoll topo --json topo.json
     gpucoll doctor --strict
+    gpucoll trace traces/ --chrome timeline.json
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ _RUN_VALUE_OPTIONS = frozenset({
 
 
 def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The top-level parser and the ``run`` subparser (``bench``, ``topo`` and ``doctor`` are
-    added too)."""
+    """The top-level parser and the ``run`` subparser (``bench``, ``topo``, ``doctor`` and
+    ``trace`` are added too)."""
     parser = argparse.ArgumentParser(
         prog="gpucoll", description="GPU-native collectives for Python: launcher and tools.",
         allow_abbrev=False)
@@ -92,6 +95,7 @@ def build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     _add_bench_parser(commands)
     _add_topo_parser(commands)
     _add_doctor_parser(commands)
+    _add_trace_parser(commands)
     return parser, run
 
 
@@ -197,6 +201,29 @@ def _add_doctor_parser(commands) -> None:
                "--strict, 1 when there is a warning.")
     doctor.add_arguments(parser)
     parser.set_defaults(handler=_cmd_doctor, subparser=parser)
+
+
+def _add_trace_parser(commands) -> None:
+    from . import trace_report
+
+    parser = commands.add_parser(
+        "trace", allow_abbrev=False, help="which rank is behind, from the flight recorder's dumps",
+        description="Read every flight-recorder dump (trace-rank*.json, written where "
+                    "GPUCOLL_TRACE_DIR pointed) in DIR and below it, group them by communicator, "
+                    "and print each rank's last finished call and its calls pending or failed, "
+                    "then one line per finding: a rank behind (never issued the call the others "
+                    "waited in, or issued it after another timed out in it), a mismatch (different "
+                    "collectives at one number), a rank with no dump, the rank that failed first.",
+        epilog="Exit status: 0 when nothing was found, 1 when there is a finding, 2 on bad input "
+               "(no dumps, a file that is not a readable dump).")
+    trace_report.add_arguments(parser)
+    parser.set_defaults(handler=_cmd_trace, subparser=parser)
+
+
+def _cmd_trace(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> int:
+    from . import trace_report
+
+    return trace_report.run(namespace.directory, as_json=namespace.json, chrome=namespace.chrome)
 
 
 def _cmd_doctor(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> int:
@@ -318,7 +345,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
         The exit code: the job's for ``run``; for ``bench`` 0 when every result was right and
         1 otherwise; 0 for ``topo``; 0 for ``doctor`` (1 for warnings under ``--strict``);
-        2 for a usage error; 0 after ``--help``.
+        for ``trace`` 0 when nothing was found, 1 for findings, 2 for bad dumps; 2 for a usage
+        error; 0 after ``--help``.
     """
     words = list(sys.argv[1:] if argv is None else argv)
     parser, run_parser = build_parser()
@@ -330,7 +358,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if namespace.command is None:
             parser.print_help(sys.stderr)
             return 2
-        if namespace.command in ("bench", "topo", "doctor"):
+        if namespace.command in ("bench", "topo", "doctor", "trace"):
             return namespace.handler(namespace.subparser, namespace)
         parser.error(f"unknown command {namespace.command!r}")
     except SystemExit as exc:  # argparse's --help, --version and usage errors

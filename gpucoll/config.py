@@ -161,7 +161,8 @@ _GPUCOLL = [
             "When set, a rank writes its communicator's trace as JSON here "
             "(`trace-rank<world rank>-<communicator id>.json`) when the communicator is aborted "
             "(every timeout, dead peer and mismatch aborts it) and when the failed operation "
-            "raises; best effort, never an error of its own."),
+            "raises; best effort, never an error of its own. `gpucoll trace DIR` compares "
+            "the ranks' dumps."),
     Setting("GPUCOLL_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "warning",
             "Level of the `gpucoll` logger."),
     Setting("GPUCOLL_JOIN", str, "",

@@ -2,7 +2,7 @@
 
 Layers, lowest first: basics (errors, types, config, auth, work, communicator and its helpers, the CUDA/NCCL
 probe and graph-capture check, the kernel loader, the CLI helpers) -> rendezvous -> transports -> algorithms ->
-backends -> api -> what sits on top (launcher, bench, topo, doctor, cli, training helpers,
+backends -> api -> what sits on top (launcher, bench, topo, doctor, trace, cli, training helpers,
 examples). Every import counts, also the ones inside functions.
 """
 
@@ -21,8 +21,9 @@ LAYERS = {
     "composite_alltoall": 0, "composite_scatter": 0, "sendrecv": 0, "batch_p2p": 0, "groups": 0,
     "default_comm": 0, "orphan_guard": 0, "flight_recorder": 0,
     "rendezvous": 1, "transports": 2, "algorithms": 3, "backends": 4, "api": 5,
+    "trace_report": 6, "trace_timeline": 6,
 }
-TOP = 6  # launch, perf, topo, doctor, cli, ddp, tp, ep, pp, cp, ps, examples, __main__
+TOP = 6  # launch, perf, topo, doctor, trace_report, cli, ddp, tp, ep, pp, cp, ps, examples, __main__
 
 
 def _module_name(path: Path) -> str:

@@ -200,6 +200,7 @@ def rank_skips_one(comm, directory):
 def test_a_hang_leaves_each_ranks_dump():
     with tempfile.TemporaryDirectory() as directory:
         _check_hang_dumps(directory)
+        _check_the_report_names_the_rank_behind(directory)
 
 
 def _check_hang_dumps(directory: str) -> None:
@@ -226,6 +227,24 @@ def _check_hang_dumps(directory: str) -> None:
     assert second["trace"][1]["finished"] < first["trace"][2]["finished"]
     assert "CommTimeoutError" in first["reason"]
     assert not [name for name in os.listdir(directory) if name.endswith(".tmp")]
+
+
+def _check_the_report_names_the_rank_behind(directory: str) -> None:
+    """``gpucoll trace`` on the same dumps: rank 1 is behind, in all_reduce #3."""
+    import io
+
+    from gpucoll import trace_report
+
+    out = io.StringIO()
+    assert trace_report.main([directory], out=out) == 1
+    report = trace_report.analyze(directory)
+    assert [(f["kind"], f["ranks"], f["op"], f["number"]) for f in report["findings"]] == \
+        [("behind", [1], "all_reduce", 3)]
+    assert [(row["rank"], row["last_finished"], [r["number"] for r in row["open"]])
+            for row in report["communicators"][0]["ranks"]] == [(0, 2, [3]), (1, 2, [3])]
+    lines = out.getvalue().splitlines()
+    assert lines[-1].startswith("behind: world1: rank 1 issued all_reduce #3 ")
+    assert lines[-1].endswith(" s after rank 0, once rank 0 had timed out in it")
 
 
 # ---------------------------------------------------------------- dumps, in this process
