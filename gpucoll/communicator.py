@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from types import MappingProxyType
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 from . import flight_recorder
 from .batch_p2p import BatchP2P
@@ -17,8 +17,8 @@ from .errors import CommAbortedError, UnsupportedOperationError
 from .composite import CompositeCollectives
 from .composite_alltoall import UnevenAllToAll
 from .composite_scatter import UnevenScatters
-from .flight_recorder import (describe_array, describe_nothing, describe_p2p, describe_rooted,
-                              describe_scatter, traced)
+from .flight_recorder import (FlightRecorded, describe_array, describe_nothing, describe_p2p,
+                              describe_rooted, describe_scatter, traced)
 from .groups import Groups
 from .sendrecv import SendRecv
 from .types import ReduceOp, check_op_dtype, wire_code
@@ -38,7 +38,7 @@ def _shape_of(x: Array) -> Tuple[int, ...]:
 
 
 class Communicator(Groups, CompositeCollectives, UnevenAllToAll, UnevenScatters, SendRecv,
-                   BatchP2P, abc.ABC):
+                   BatchP2P, FlightRecorded, abc.ABC):
     """A group of ``size`` ranks that run collectives together.
 
     Besides the collectives below, every backend has the object collectives and uneven
@@ -528,23 +528,6 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, UnevenScatters,
             self._abort_for(f"rank {self.rank} raised {exc_type.__name__}: {exc}")
 
     # ------------------------------------------------------------------ flight recorder
-    def trace(self) -> List[Dict[str, Any]]:
-        """This communicator's last operations (``GPUCOLL_TRACE_BUFFER`` of them), oldest first.
-
-        One dict per public call: ``number`` (1, 2, ... on this communicator), ``op``,
-        ``bytes``, ``dtype`` and ``shape`` of its main array (None for objects), ``root``,
-        ``peer`` and ``tag`` where it has them, ``issued`` / ``finished`` (``time.time()``),
-        ``duration_s`` (None while pending) and ``state``: "done", "pending" or
-        "failed: <ErrorType>: <message>". Usage errors are not recorded. Comparing the ranks'
-        traces after a hang shows which rank is behind (see :mod:`gpucoll.flight_recorder`).
-        """
-        return flight_recorder.read(self)
-
-    def _trace_dump(self, reason: str) -> None:
-        """Write the trace where ``GPUCOLL_TRACE_DIR`` says; a backend's abort path calls it.
-        Best effort: never raises."""
-        flight_recorder.dump(self, reason)
-
     def _abort_for(self, reason: str) -> None:
         """``abort()``, telling the peers ``reason`` where the backend can (the CPU backend
         leaves it in the store, and a peer's ``PeerError`` quotes it)."""

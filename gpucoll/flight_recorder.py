@@ -326,6 +326,25 @@ def _file_name(comm: Any) -> str:
     return f"trace-rank{world_rank}-{name}.json"
 
 
+def _write(comm: Any, directory: str, reason: str) -> str:
+    """Write ``comm``'s trace as ``directory/trace-rank<R>-<id>.json``; return the path."""
+    path = os.path.join(directory, _file_name(comm))
+    header = {"rank": comm.to_world(comm.rank), "comm_rank": comm.rank, "size": comm.size,
+              "backend": comm.backend, "comm_id": getattr(comm, "comm_id", None),
+              "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
+              "written": time.time()}
+    records = [json.dumps(entry, default=str) for entry in read(comm)]
+    # one record per line: readable as it is, and with grep
+    text = json.dumps(header, indent=1, default=str)[:-2] + ',\n "trace": [' + \
+        (("\n  " + ",\n  ".join(records) + "\n ") if records else "") + "]\n}\n"
+    os.makedirs(directory, exist_ok=True)
+    partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(partial, "w", encoding="utf-8") as file:
+        file.write(text)
+    os.replace(partial, path)
+    return path
+
+
 def dump(comm: Any, reason: str) -> Optional[str]:
     """Write ``comm``'s trace under ``GPUCOLL_TRACE_DIR`` (unset: nothing); return the path.
 
@@ -343,23 +362,57 @@ def dump(comm: Any, reason: str) -> Optional[str]:
             if written >= _DUMPS_PER_COMMUNICATOR:
                 return None
             comm.__dict__["_trace_dumps"] = written + 1
-        path = os.path.join(directory, _file_name(comm))
-        header = {"rank": comm.to_world(comm.rank), "comm_rank": comm.rank, "size": comm.size,
-                  "backend": comm.backend, "comm_id": getattr(comm, "comm_id", None),
-                  "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
-                  "written": time.time()}
-        records = [json.dumps(entry, default=str) for entry in read(comm)]
-        # one record per line: readable as it is, and with grep
-        text = json.dumps(header, indent=1, default=str)[:-2] + ',\n "trace": [' + \
-            (("\n  " + ",\n  ".join(records) + "\n ") if records else "") + "]\n}\n"
-        os.makedirs(directory, exist_ok=True)
-        partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(partial, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(partial, path)
-        return path
+        return _write(comm, directory, reason)
     except Exception:  # a debugging aid must never turn into the failure
         return None
+
+
+class FlightRecorded:
+    """Mixin of :class:`gpucoll.Communicator`: reading and writing its flight recorder."""
+
+    def trace(self) -> List[Dict[str, Any]]:
+        """This communicator's last operations (``GPUCOLL_TRACE_BUFFER`` of them), oldest first.
+
+        One dict per public call: ``number`` (1, 2, ... on this communicator), ``op``,
+        ``bytes``, ``dtype`` and ``shape`` of its main array (None for objects), ``root``,
+        ``peer`` and ``tag`` where it has them, ``issued`` / ``finished`` (``time.time()``),
+        ``duration_s`` (None while pending) and ``state``: "done", "pending" or
+        "failed: <ErrorType>: <message>". Usage errors are not recorded. Comparing the ranks'
+        traces after a hang shows which rank is behind (see :mod:`gpucoll.flight_recorder`).
+        """
+        return read(self)
+
+    def dump_trace(self, directory: Optional[str] = None) -> str:
+        """Write this communicator's trace now, as a failure would (``trace-rank<world
+        rank>-<communicator id>.json``, replaced whole), for ``gpucoll trace DIR`` (its
+        ``--chrome`` timeline of a healthy run, too). Local: no other rank is involved.
+
+        Args:
+            directory: where to write; None: ``GPUCOLL_TRACE_DIR``.
+
+        Returns:
+            The file's path.
+
+        Raises:
+            ValueError: no ``directory`` and ``GPUCOLL_TRACE_DIR`` is not set.
+            OSError: the file could not be written.
+
+        Example::
+
+            comm.dump_trace("traces")    # then: gpucoll trace traces --chrome timeline.json
+        """
+        if directory is None:
+            from . import config
+
+            directory = config.get("GPUCOLL_TRACE_DIR")
+            if not directory:
+                raise ValueError("dump_trace: pass a directory, or set GPUCOLL_TRACE_DIR")
+        return _write(self, os.fspath(directory), "dump_trace()")
+
+    def _trace_dump(self, reason: str) -> None:
+        """Write the trace where ``GPUCOLL_TRACE_DIR`` says; a backend's abort path calls it.
+        Best effort: never raises."""
+        dump(self, reason)
 
 
 _dump_lock = threading.Lock()

@@ -164,6 +164,41 @@ def test_the_buffer_keeps_the_last_operations(pool, buffer_setting):
 
 
 # ---------------------------------------------------------------- a real hang, dumped
+def rank_dumps_a_healthy_run(comm, arr, directory):
+    sub = _fresh(comm, 256)
+    sub.all_reduce(arr.dev(np.ones(4, np.float32)))
+    sub.all_gather(arr.dev(np.arange(2, dtype=np.int64)))
+    path = sub.dump_trace(directory)
+    records = [(e["number"], e["op"], e["state"]) for e in sub.trace()]
+    sub.close()
+    return os.path.basename(path), records
+
+
+def test_a_healthy_run_dumps_on_request_for_the_report_and_timeline(pool, buffer_setting,
+                                                                   tmp_path):
+    """``comm.dump_trace(DIR)``: the same file a failure writes, now; ``gpucoll trace`` finds
+    nothing wrong in a healthy run, and its timeline has one bar per call of every rank."""
+    from gpucoll.trace_report import analyze, read_dumps
+    from gpucoll.trace_timeline import chrome_trace
+
+    n = pool.world_size
+    results = pool.run(rank_dumps_a_healthy_run, str(tmp_path))
+    names = sorted(name for name, _ in results)
+    assert [name.split("-")[1] for name in names] == [f"rank{r}" for r in range(n)]
+    assert len({name.split("-", 2)[2] for name in names}) == 1   # one communicator
+    for _, records in results:
+        assert records == [(1, "barrier", "done"), (2, "all_reduce", "done"),
+                           (3, "all_gather", "done")]
+    report = analyze(str(tmp_path))
+    assert report["findings"] == [], report["findings"]
+    (communicator,) = report["communicators"]
+    assert [rank["last_finished"] for rank in communicator["ranks"]] == [3] * n
+    bars = [event for event in chrome_trace(read_dumps(str(tmp_path)))["traceEvents"]
+            if event["ph"] == "X"]
+    assert sorted((event["pid"], event["name"].split()[0]) for event in bars) == sorted(
+        (rank, op) for rank in range(n) for op in ("all_gather", "all_reduce", "barrier"))
+
+
 def _dumps(directory: str, rank: int):
     """The files rank ``rank`` wrote: ``trace-rank<world rank>-<communicator id>.json``."""
     return [name for name in os.listdir(directory)
@@ -283,6 +318,26 @@ def test_a_dump_that_cannot_be_written_is_no_error(monkeypatch):
         comm.abort()  # the dump fails quietly
         comm.close()
         assert os.path.getsize(not_a_directory.name) == 0
+
+
+def test_dump_trace_needs_a_directory(monkeypatch, tmp_path):
+    comm = _world_of_one(monkeypatch)
+    try:
+        with pytest.raises(ValueError, match="dump_trace: pass a directory, or set "
+                                             "GPUCOLL_TRACE_DIR"):
+            comm.dump_trace()
+        monkeypatch.setenv("GPUCOLL_TRACE_DIR", str(tmp_path / "from-env"))
+        comm.barrier()
+        path = comm.dump_trace()
+        assert os.path.dirname(path) == str(tmp_path / "from-env")
+        dump = json.load(open(path))
+        assert dump["reason"] == "dump_trace()" and dump["trace"][-1]["op"] == "barrier"
+        blocked = tmp_path / "a-file"
+        blocked.write_text("")
+        with pytest.raises(OSError):
+            comm.dump_trace(blocked / "below")
+    finally:
+        comm.close()
 
 
 def test_no_directory_no_dump_and_the_trace_stays_readable(monkeypatch):
