@@ -102,10 +102,11 @@ class NodesOfJob:
                 pass
 
     def close(self) -> None:
-        """Stop beating (bounded)."""
+        """Stop beating. The thread is not waited for long: it is a daemon, and a beat after
+        the end is harmless."""
         self._stop.set()
         if self._beat is not None:
-            self._beat.join(CALL_BUDGET)
+            self._beat.join(0.2)
 
     # ------------------------------------------------------------------ replacements
     def replacements_verdict(self, waiting: List[str]) -> Optional[Tuple[bool, Set[str]]]:
