@@ -71,9 +71,11 @@ def recursive_doubling_scan(comm: Any, x: Any, result: Any, op: ReduceOp, exclus
     ``comm``'s ``sendrecv`` / ``send`` / ``recv``, as MPICH's ``MPI_Scan``.
 
     In round k = 0, 1, ... (distance d = 2**k) rank r sends its partial reduction of
-    ``x_{r-2d+1..r}`` to rank r + d and receives rank r - d's, which covers the ranks just
-    below its own and is combined on the left (lower ranks first, as ``np.add.accumulate``
-    does): after the round, its partial covers ``x_{r-2d+1..r}``. ``exscan`` keeps a second
+    ``x_{r-d+1..r}`` to rank r + d and receives rank r - d's, which covers the ranks just
+    below its own (``x_{r-2d+1..r-d}``) and is combined on the left (lower ranks first, as
+    ``np.add.accumulate`` does): after the round, its partial covers ``x_{r-2d+1..r}`` (ranks
+    below 0 left out). Messages go only to higher ranks and a receive waits only for lower
+    ones, so the rounds cannot deadlock. ``exscan`` keeps a second
     array, the reduction of what it received only; rank 0, which receives nothing, gets the
     op's :func:`identity`.
 
