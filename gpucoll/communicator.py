@@ -20,6 +20,7 @@ from .composite_scatter import UnevenScatters
 from .flight_recorder import (FlightRecorded, describe_array, describe_nothing, describe_p2p,
                               describe_rooted, describe_scatter, traced)
 from .groups import Groups
+from .scan import PrefixReductions
 from .sendrecv import SendRecv
 from .types import ReduceOp, check_op_dtype, wire_code
 from .work import Work
@@ -37,8 +38,8 @@ def _shape_of(x: Array) -> Tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-class Communicator(Groups, CompositeCollectives, UnevenAllToAll, UnevenScatters, SendRecv,
-                   BatchP2P, FlightRecorded, abc.ABC):
+class Communicator(Groups, CompositeCollectives, UnevenAllToAll, UnevenScatters, PrefixReductions,
+                   SendRecv, BatchP2P, FlightRecorded, abc.ABC):
     """A group of ``size`` ranks that run collectives together.
 
     Besides the collectives below, every backend has the object collectives and uneven
@@ -47,7 +48,8 @@ class Communicator(Groups, CompositeCollectives, UnevenAllToAll, UnevenScatters,
     ``gather_v``) and the uneven ``all_to_all_v`` of
     :class:`gpucoll.composite_alltoall.UnevenAllToAll`, built on these, and the point-to-point
     ``sendrecv`` of :class:`gpucoll.sendrecv.SendRecv` (a send and a receive at once) and
-    ``batch_isend_irecv`` of :class:`gpucoll.batch_p2p.BatchP2P` (many at once). Its
+    ``batch_isend_irecv`` of :class:`gpucoll.batch_p2p.BatchP2P` (many at once), and the
+    prefix reductions ``scan`` and ``exscan`` of :class:`gpucoll.scan.PrefixReductions`. Its
     world ranks and sub-communicators (``ranks``, ``split``, ``new_group``, ``host_group``)
     are those of :class:`gpucoll.groups.Groups`. Every public call is remembered by its flight
     recorder (:meth:`trace`, :mod:`gpucoll.flight_recorder`).

@@ -24,7 +24,7 @@ __all__ = ["load", "cupy_module", "fix_hint", "device_count", "nccl_version_code
            "version_tuple", "normalize_name", "is_cupy_distribution", "cupy_cuda_major",
            "nccl_cuda_major", "installed_distributions", "wheel_clashes", "nccl_fix_hint",
            "classify_nccl_path", "loaded_library", "kernel_module_version", "nccl_wheel_dirs",
-           "preload_config"]
+           "preload_config", "as_cupy_stream"]
 
 _DIST_PREFIXES = ("cupy", "nvidia-nccl-cu")
 _GPUCOLL_EXTRAS = (12, 13)  # CUDA majors with a gpucoll[cuNN] extra
@@ -340,6 +340,37 @@ def cupy_module() -> Any:
     import cupy
 
     return cupy
+
+
+class _StreamHandle:
+    """A raw stream pointer in the CUDA stream protocol (what ``Stream.from_external`` takes)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def as_cupy_stream(cupy: Any, stream: Any) -> Any:
+    """``stream=`` of a call (a CuPy stream, an object with ``cuda_stream`` or
+    ``__cuda_stream__``, or a raw pointer) as a CuPy stream; None stays None (the current one)."""
+    if stream is None or isinstance(stream, cupy.cuda.Stream):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):
+        handle = stream
+    else:
+        ptr = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
+        if ptr is None and hasattr(stream, "ptr"):
+            ptr = stream.ptr
+        if ptr is None:
+            raise TypeError(f"stream must be a CuPy stream, an object with cuda_stream or "
+                            f"__cuda_stream__, or a pointer; got {type(stream).__name__}")
+        handle = _StreamHandle(ptr)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy >= 14; ExternalStream is deprecated there
+        return from_external(handle)
+    return cupy.cuda.ExternalStream(handle.__cuda_stream__()[1])
 
 
 def fix_hint() -> str:

@@ -10,9 +10,9 @@ a rank writes it as JSON when its communicator is aborted (every timeout, dead p
 mismatch aborts it) and again when the operation that failed returns its error. Comparing the
 ranks' traces shows which rank is behind, and at which call.
 
-- A composite operation (``broadcast_object``, ``all_gather_v``, ``all_to_all_v``...) is
-  recorded under the name the caller used, followed by the collectives it is built on: a hang
-  inside one shows both the call and the step.
+- A composite operation (``broadcast_object``, ``all_gather_v``, ``all_to_all_v``, ``scan``...)
+  is recorded under the name the caller used, followed by the collectives (or sends and
+  receives) it is built on: a hang inside one shows both the call and the step.
 - A usage error (``ValueError``, ``TypeError``, ``UnsupportedOperationError``) raised before
   anything was issued is not an operation: its record is withdrawn and its number reused.
 - An asynchronous operation keeps its ``Work``; its state is read when the trace is read

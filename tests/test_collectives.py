@@ -4,7 +4,8 @@ One body of tests runs on each cluster of ``clusters.py``: the CPU backend over 
 sockets in real processes (world sizes 1-4 and 2-3), the NCCL backend over the CUDA emulation
 (1-3 ranks as threads) and on a real GPU when there is one. Counts 0, 1, a prime and a
 multi-chunk size (beyond the ring threshold and the pipelining chunk); every root; in place
-and ``out=``; every op and dtype family the backend reduces. Ranks return their outputs (as
+and ``out=``; every op and dtype family the backend reduces (``scan`` / ``exscan``: every op
+but avg on every dtype, bfloat16 too, since they combine with the array's own module). Ranks return their outputs (as
 NumPy); the test recomputes the expected ones with NumPy.
 """
 
@@ -15,7 +16,8 @@ import pytest
 
 from clusters import cluster_pools
 from mp_harness import RankPool
-from reference import ALL_DTYPES, OPS, assert_equal_result, make_input, op_valid, reduce_reference
+from reference import (ALL_DTYPES, OPS, assert_equal_result, identity_reference, make_input,
+                       op_valid, prefix_reference, reduce_reference, scan_input)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -487,3 +489,124 @@ def rank_split_bad_input(comm, arr):
 
 def test_split_refuses_colors_and_keys_out_of_range(pool):
     assert pool.run(rank_split_bad_input) == [[float(pool.world_size)] * 3] * pool.world_size
+
+
+# ---------------------------------------------------------------- scan / exscan
+def rank_scan(comm, arr, cases):
+    out = {}
+    for case_id, shape, dtype, op, name, mode in cases:
+        keep = scan_input(case_id, comm.rank, shape, dtype, op)
+        x = arr.dev(keep.copy())
+        call = comm.scan if name == "scan" else comm.exscan
+        if mode == "inplace":
+            result = call(x, op=op)
+            assert result is x
+        else:
+            target = arr.dev(np.full(shape, 5, dtype=keep.dtype))
+            result = call(x, op, out=target)
+            assert result is target
+            np.testing.assert_array_equal(arr.host(x), keep)  # input untouched out of place
+        out[case_id] = arr.host(result)
+    return out
+
+
+def _scan_expected(case, rank, size):
+    """Rank ``rank``'s scan / exscan result: NumPy's accumulate over the ranks' inputs."""
+    case_id, shape, dtype, op, name, _ = case
+    prefix = prefix_reference(np.stack([scan_input(case_id, r, shape, dtype, op)
+                                        for r in range(size)]), op)
+    if name == "scan":
+        return prefix[rank]
+    if rank == 0:
+        return identity_reference(op, prefix.dtype, shape)
+    return prefix[rank - 1]
+
+
+def _check_scan(pool, cases):
+    results = pool.run(rank_scan, cases)
+    for rank, by_case in enumerate(results):
+        for case in cases:
+            assert_equal_result(by_case[case[0]], _scan_expected(case, rank, pool.world_size),
+                                f"rank {rank} case {case}")
+
+
+_SCAN_EVERY_OP = ("int8", "uint64", "float16", "float32", "complex64", "bool", "bfloat16")
+
+
+def test_scan_and_exscan_every_op_and_dtype(pool):
+    """Every op but avg on one dtype of each family (bfloat16 where the array module holds
+    it), and sum, min, max and band (whose identities depend on the dtype; as exscan) on every
+    dtype; scan and exscan in turn otherwise, in place and out=, 1-D and 2-D."""
+    dtypes = ALL_DTYPES + (["bfloat16"] if pool.kind != "cupy" else [])
+    cases, case_id = [], 9000
+    for dtype in dtypes:
+        for op in OPS:
+            if op == "avg" or not op_valid(op, "float32" if dtype == "bfloat16" else dtype):
+                continue
+            every_op = dtype in _SCAN_EVERY_OP
+            if not every_op and op not in ("sum", "min", "max", "band"):
+                continue
+            case_id += 1
+            name = "exscan" if not every_op and op != "sum" else ("scan", "exscan")[case_id % 2]
+            cases.append((case_id, (13,) if case_id % 3 else (1, 13), dtype, op, name,
+                          ("inplace", "out")[case_id // 2 % 2]))
+    _check_scan(pool, cases)
+
+
+def test_scan_and_exscan_counts(pool):
+    """Counts 0, 1, a prime and a multi-chunk size, on the generic path and MPI's own
+    (float16 is not an MPI type)."""
+    cases, case_id = [], 9500
+    for count, dtype, op in ((0, "float32", "sum"), (1, "float32", "sum"), (13, "float32", "sum"),
+                             (13, "int64", "max"), (13, "float16", "prod")):
+        for name in ("scan", "exscan"):
+            case_id += 1
+            cases.append((case_id, (count,), dtype, op, name, "out" if case_id % 2 else "inplace"))
+    cases += [(9600, (BIG,), "float32", "sum", "scan", "inplace"),
+              (9601, (BIG,), "float16", "sum", "exscan", "out")]
+    _check_scan(pool, cases)
+
+
+def _last_record(comm):
+    trace = comm.trace()
+    return trace[-1]["number"] if trace else 0
+
+
+def rank_scan_bad_input(comm, arr):
+    x = arr.dev(np.arange(4, dtype=np.int32))
+    before = _last_record(comm)
+    for call in (comm.scan, comm.exscan):
+        with pytest.raises(ValueError, match=r"op avg is not a prefix reduction.*op='sum'"):
+            call(x, op="avg")
+        with pytest.raises(ValueError, match="unknown reduction op 'mean'"):
+            call(x, op="mean")
+        with pytest.raises(TypeError, match="op band needs an integer or bool array, got dtype "
+                                            "float64"):
+            call(arr.dev(np.ones(3)), op="band")
+        with pytest.raises(TypeError, match="op min is undefined for complex dtype complex64"):
+            call(arr.dev(np.ones(3, np.complex64)), op="min")
+        with pytest.raises(ValueError, match=r"out has shape \(3,\), expected \(4,\)"):
+            call(x, out=arr.zeros((3,), np.int32))
+        with pytest.raises(TypeError, match="out has dtype int64, expected int32"):
+            call(x, out=arr.zeros((4,), np.int64))
+        if arr.xp is np:
+            with pytest.raises(TypeError, match="dtype <U1 is not supported|dtype str"):
+                call(np.array(["a", "b"]))
+            frozen = np.arange(3)
+            frozen.flags.writeable = False
+            with pytest.raises(ValueError, match="x is read-only"):
+                call(frozen)
+    assert _last_record(comm) == before  # usage errors are not operations: nothing was sent
+    np.testing.assert_array_equal(arr.host(x), np.arange(4))
+    comm.exscan(x)  # the communicator is still usable
+    records = [entry["op"] for entry in comm.trace() if entry["number"] > before]
+    return arr.host(x), records
+
+
+def test_scan_bad_input_raises_before_anything_is_sent(pool):
+    n = pool.world_size
+    for rank, (x, records) in enumerate(pool.run(rank_scan_bad_input)):
+        np.testing.assert_array_equal(x, np.full(4, 0) if rank == 0 else np.arange(4) * rank)
+        assert records[0] == "exscan", records
+        if n > 1 and pool.backend != "mpi":  # the sends it is made of follow it
+            assert set(records[1:]) <= {"send", "recv", "sendrecv"} and records[1:], records

@@ -54,6 +54,30 @@ def rank_cupy_remaining_collectives(comm):
     return kinds, host(reduced), host(gathered), host(chunk), host(exchanged), host(received)
 
 
+def rank_cupy_scans(comm):
+    """scan and exscan of CuPy arrays: staged sends and receives, combined on the GPU."""
+    import cupy
+
+    r = comm.rank
+    x = cupy.arange(6, dtype=cupy.int64) + 10 * r
+    out = cupy.zeros(6, cupy.int64)
+    assert comm.scan(x, out=out) is out
+    y = cupy.full(3, r + 1.0, cupy.float32)
+    assert comm.exscan(y, op="min") is y
+    return cupy.asnumpy(out), cupy.asnumpy(y)
+
+
+def test_scan_and_exscan_on_cupy_arrays():
+    pool = RankPool(3)
+    try:
+        results = pool.run(rank_cupy_scans)
+    finally:
+        pool.close()
+    for r, (scanned, exscanned) in enumerate(results):
+        np.testing.assert_array_equal(scanned, sum(np.arange(6) + 10 * q for q in range(r + 1)))
+        np.testing.assert_array_equal(exscanned, np.full(3, 1.0 if r else np.inf, np.float32))
+
+
 def test_cupy_arrays_staged_through_host():
     pool = RankPool(2)
     try:

@@ -394,3 +394,42 @@ def test_the_composite_calls_are_refused_in_a_capture_before_anything_is_enqueue
             message
         assert "capture all_gather / all_to_all on fixed-size buffers" in message
         assert result == EXPECTED[name][rank], (rank, result)
+
+
+def test_scan_is_refused_in_a_capture_before_anything_is_enqueued(run, emu):
+    """scan / exscan combine through temporaries that a graph would go on using after they
+    are freed: refused on a capturing stream (the current one, or stream=) before anything is
+    enqueued; the capture stays valid and the same calls work after it."""
+    cp = emu.cupy
+
+    def fn(comm):
+        x = cp.full(3, comm.rank + 1, dtype=cp.int32)
+        comm.all_reduce(cp.ones(2, dtype=cp.float32))
+        seq, p2p, records = comm._seq, comm._p2p_seq, len(comm.trace())
+        stream = cp.cuda.Stream(non_blocking=True)
+        messages = []
+        with stream:
+            stream.begin_capture()
+            for call in (comm.scan, comm.exscan):
+                with pytest.raises(UnsupportedOperationError) as refused:
+                    call(x)
+                messages.append(str(refused.value))
+            graph = stream.end_capture()
+        stream.begin_capture()  # not current: stream= names it
+        with pytest.raises(UnsupportedOperationError, match="scan of a CUDA array"):
+            comm.scan(x, stream=stream)
+        assert stream.end_capture().nodes == []
+        assert graph.nodes == [] and (comm._seq, comm._p2p_seq) == (seq, p2p)
+        assert len(comm.trace()) == records
+        scanned = comm.scan(x, out=cp.zeros(3, dtype=cp.int32)).get().tolist()
+        comm.exscan(x)
+        comm.synchronize()
+        return messages, scanned, x.get().tolist()
+
+    for rank, (messages, scanned, exscanned) in enumerate(run(2, fn)):
+        for name, message in zip(("scan", "exscan"), messages):
+            assert message.startswith(f"backend 'nccl' does not support {name} of a CUDA array "
+                                      f"in a CUDA graph capture; it combines through temporary "
+                                      f"arrays"), message
+        assert scanned == [[1] * 3, [3] * 3][rank]
+        assert exscanned == [[0] * 3, [1] * 3][rank]

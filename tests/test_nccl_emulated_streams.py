@@ -218,3 +218,36 @@ def test_a_cuda_fault_ends_a_host_wait_with_its_name(run, emu, monkeypatch):
         return True
 
     assert run(1, fn) == [True]
+
+
+def test_scan_runs_in_the_order_of_its_stream(run, emu):
+    """scan / exscan enqueue their sends, receives and combines on the call's stream (stream=,
+    or the current one): all held while it is stalled, right once it goes on."""
+    cp = emu.cupy
+
+    def fn(comm):
+        stream = cp.cuda.Stream(non_blocking=True)
+        x = cp.asarray(np.arange(5.0) + 10 * comm.rank)
+        y = cp.asarray(np.arange(5, dtype=np.int64) * (comm.rank + 2))
+        emu.stall(stream)
+        assert comm.scan(x, "min", stream=stream) is x
+        with stream:
+            out = cp.zeros(5, dtype=cp.int64)
+            assert comm.exscan(y, "prod", out=out) is out
+        held = emu.pending(stream) > 0
+        before = x.get().tolist(), out.get().tolist()
+        emu.release(stream)
+        stream.synchronize()
+        return held, before, x.get().tolist(), out.get().tolist()
+
+    results = run(3, fn)
+    for rank, (held, before, x, out) in enumerate(results):
+        assert held
+        assert before[0] == (np.arange(5.0) + 10 * rank).tolist()  # nothing ran yet
+        if rank:  # (rank 0's identity is a fill, which the emulation does at once)
+            assert before[1] == [0] * 5
+        assert x == np.arange(5.0).tolist()  # min of ranks 0..r: rank 0's
+        expected = np.ones(5, np.int64)
+        for q in range(rank):
+            expected *= np.arange(5) * (q + 2)
+        assert out == expected.tolist()

@@ -2,10 +2,10 @@
 
 One GPU: every collective on a 1-rank communicator for every dtype and op, usage errors before
 anything is enqueued, the watchdog on a deliberately stalled stream, DLPack and torch tensors,
-asynchronous Work and streams, a CUDA graph of collectives. Two ranks on one GPU when NCCL >= 2.30 allows it
+asynchronous Work and streams, a CUDA graph of collectives, scan / exscan. Two ranks on one GPU when NCCL >= 2.30 allows it
 (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS capped), in real processes under a hard timeout:
 the collectives, a large ``sendrecv`` both ways at once and a ``batch_isend_irecv`` halo
-exchange; three such ranks, one SIGKILLed, for ``shrink()``.
+exchange, scan / exscan on a busy stream; three such ranks, one SIGKILLed, for ``shrink()``.
 """
 
 import time
@@ -16,7 +16,7 @@ import pytest
 import gpucoll
 from gpucoll.errors import CommAbortedError, CommTimeoutError
 from mp_harness import run_ranks
-from reference import make_input, reduce_reference
+from reference import identity_reference, make_input, prefix_reference, reduce_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -334,6 +334,33 @@ def test_what_a_capture_cannot_hold_is_refused_and_the_capture_stays_valid(comm)
     assert comm.all_gather_v(x)[1] == [4]
 
 
+@pytest.mark.parametrize("name", MOVABLE)
+def test_scan_and_exscan_one_rank(comm, name):
+    """One rank: scan is x itself, exscan the op's identity; in a capture both are refused
+    before anything is enqueued and the capture stays valid."""
+    import cupy
+
+    for op in ("sum", "prod", "min", "max", "bxor"):
+        host = _host_input(0, (3, 7), name, op)
+        if (op in ("min", "max") and host.dtype.kind == "c") or \
+                (op == "bxor" and host.dtype.kind not in "biu"):
+            continue
+        x = _device_array(host)
+        out = cupy.zeros_like(x)
+        assert comm.scan(x, op, out=out) is out
+        assert comm.exscan(x, op) is x
+        np.testing.assert_array_equal(cupy.asnumpy(out), host)
+        np.testing.assert_array_equal(cupy.asnumpy(x), identity_reference(op, x.dtype, (3, 7)))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        with pytest.raises(gpucoll.UnsupportedOperationError,
+                           match="scan of a CUDA array in a CUDA graph capture; it combines"):
+            comm.scan(x)
+        stream.end_capture()
+    cupy.cuda.get_current_stream().synchronize()
+
+
 def test_a_graph_of_two_communicators_is_followed_by_both(comm):
     """One graph with collectives of two communicators of the GPU, launched by one of them
     naming the other: each launch is one collective of both, and the results are right."""
@@ -629,6 +656,45 @@ def test_two_ranks_on_one_gpu_halo_exchange_with_batch_isend_irecv():
     so this completes only because the batch is one group."""
     assert run_ranks(on_nccl, 2, _batch_halo, init=False, env=MULTI_RANK_ENV,
                      timeout=240) == [(True, True)] * 2
+
+
+SCAN_CASES = [("float32", "sum", 1000), ("int64", "max", 13), ("float16", "prod", 13),
+              ("uint8", "bxor", 1), ("bool", "sum", 13), ("complex64", "sum", 13),
+              ("int32", "min", 4 * 2 ** 20)]
+
+
+def _scans(comm, spin=_spin):
+    """scan and exscan of each case on a non-default stream kept busy first: a combine that
+    did not follow its receive on that stream would read the receive buffer too early."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    results = {}
+    for name, op, count in SCAN_CASES:
+        host = make_input(21, comm.rank, (count,), name, op)
+        x, y = cupy.asarray(host), cupy.asarray(host)
+        spin(stream, 0.05)
+        assert comm.scan(x, op, stream=stream) is x
+        out = cupy.zeros_like(y)
+        with stream:
+            spin(stream, 0.05)
+            assert comm.exscan(y, op, out=out) is out
+        stream.synchronize()
+        results[(name, op, count)] = (cupy.asnumpy(x), cupy.asnumpy(out), cupy.asnumpy(y))
+    return results
+
+
+@two_ranks
+def test_two_ranks_on_one_gpu_scan_and_exscan():
+    results = run_ranks(on_nccl, 2, _scans, init=False, env=MULTI_RANK_ENV, timeout=240)
+    for rank, by_case in enumerate(results):
+        for (name, op, count), (scanned, exscanned, untouched) in by_case.items():
+            stacked = np.stack([make_input(21, r, (count,), name, op) for r in range(2)])
+            prefix = prefix_reference(stacked, op)
+            np.testing.assert_array_equal(scanned, prefix[rank])
+            np.testing.assert_array_equal(exscanned, prefix[0] if rank else
+                                          identity_reference(op, stacked.dtype, (count,)))
+            np.testing.assert_array_equal(untouched, stacked[rank])
 
 
 def _rank_stalls(rank, size, url):

@@ -49,12 +49,12 @@ def _doc_signature(obj):
     """The parameters of Cython's embedded signature line, e.g.
     ``memcpyAsync(intptr_t dst, intptr_t src, size_t size, int kind, intptr_t stream)``."""
     first = (getattr(obj, "__doc__", None) or "").lstrip().split("\n", 1)[0]
-    name = getattr(obj, "__name__", "")
+    name = re.sub(r"^cupy_", "", getattr(obj, "__name__", ""))  # a ufunc's is "cupy_add"
     match = re.match(rf"(?:[\w.]*\.)?{re.escape(name)}\((.*)\)(?:\s*->.*)?$", first)
     if not match:
         return None
     params, depth, current = [], 0, ""
-    for char in match.group(1) + ",":
+    for char in match.group(1).replace("\\*", "*") + ",":  # ufunc docs escape the *
         if char == "," and depth == 0:
             if current.strip():
                 params.append(current.strip())

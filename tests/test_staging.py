@@ -56,6 +56,10 @@ def test_a_foreign_device_array_gets_its_result_back(emu, tmp_path):
         out = _TensorLike(cp.zeros(6, dtype=cp.float32))
         comm.all_reduce(tensor, out=out)
         np.testing.assert_array_equal(out._array.get(), np.arange(6, dtype=np.float32))
+        assert comm.scan(tensor, out=out) is out  # combined through a CuPy view of its memory
+        np.testing.assert_array_equal(out._array.get(), np.arange(6, dtype=np.float32))
+        assert comm.exscan(tensor, op="max") is tensor  # rank 0 of 1: the identity
+        np.testing.assert_array_equal(memory.get(), np.full(6, -np.inf, np.float32))
     finally:
         comm.close()
 
@@ -140,6 +144,8 @@ def test_device_arrays_in_a_cuda_graph_capture_are_refused_before_anything_is_se
             "all_to_all_v": lambda s: comm.all_to_all_v(x, [4]),
             "scatter_v": lambda s: comm.scatter_v(x, 0, [4]),
             "reduce_scatter_v": lambda s: comm.reduce_scatter_v(x),
+            "scan": lambda s: comm.scan(x),
+            "exscan(stream=)": lambda s: comm.exscan(x, stream=s),
         }
         stream = cp.cuda.Stream(non_blocking=True)
         for name, call in refused.items():

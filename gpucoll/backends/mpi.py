@@ -7,10 +7,11 @@ blocking forever (MPI itself would); the communicator is then aborted. ``async_o
 ``isend`` and ``irecv`` return a :class:`MPIWork` over the request, polled the same way by
 ``wait()``; ``sendrecv`` is an ``Irecv`` and an ``Isend`` waited together (the default of
 :mod:`gpucoll.sendrecv`), ``batch_isend_irecv`` every ``Irecv`` then every ``Isend`` of its list
-(:mod:`gpucoll.batch_p2p`). Blocking collectives on host NumPy arrays take the short paths of
-:mod:`.mpi_short` (with GPUCOLL_MPI_BLOCKING=1, MPI's blocking forms under the watchdog of
-:mod:`.mpi_blocking`). MPI orders collectives by issue order, and messages between two
-ranks arrive in send order.
+(:mod:`gpucoll.batch_p2p`), ``scan`` / ``exscan`` MPI's ``Iscan`` / ``Iexscan`` where MPI
+reduces the dtype natively (:mod:`.mpi_scan`). Blocking collectives on host NumPy arrays take
+the short paths of :mod:`.mpi_short` (with GPUCOLL_MPI_BLOCKING=1, MPI's blocking forms
+under the watchdog of :mod:`.mpi_blocking`). MPI orders collectives by issue order, and
+messages between two ranks arrive in send order.
 
 Semantics match the other backends: shapes, in-place rules, ``out=``, ops (see
 :mod:`.mpi_types`: AVG is SUM then the shared division), usage errors (checked by
@@ -45,6 +46,7 @@ from ..types import ReduceOp, finish_avg
 from ..work import Work
 from . import mpi_types, signature
 from .mpi_blocking import BlockingWatchdog
+from .mpi_scan import MPIPrefixReductions
 from .mpi_short import HostShortPaths
 from .mpi_types import byte_spec, mpi, reduction
 from .staging import Staged, as_cupy_stream, refuse_capture
@@ -128,7 +130,7 @@ def _host_key() -> int:
     return int.from_bytes(digest[:7], "little")
 
 
-class MPICommunicator(HostShortPaths, Communicator):
+class MPICommunicator(HostShortPaths, MPIPrefixReductions, Communicator):
     """Communicator over an mpi4py communicator (see module doc).
 
     Args:

@@ -21,8 +21,8 @@ import numpy as np
 from .. import config
 from ..types import ReduceOp, combine_fn
 
-__all__ = ["mpi", "mpi_unavailable_reason", "reduction", "byte_spec", "cuda_aware",
-           "library_version"]
+__all__ = ["mpi", "mpi_unavailable_reason", "reduction", "native_reduction", "byte_spec",
+           "cuda_aware", "library_version"]
 
 _LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
@@ -97,6 +97,15 @@ def reduction(op: ReduceOp, dtype: np.dtype) -> Tuple[Any, Any]:
             found = (getattr(MPI, name), getattr(MPI, ops[op]))
         _REDUCTIONS[key] = found
     return found
+
+
+def native_reduction(op: ReduceOp, dtype: np.dtype) -> Optional[Tuple[Any, Any]]:
+    """(MPI datatype, MPI op) when MPI reduces ``dtype`` with ``op`` natively (no user-defined
+    op: what ``MPI_Scan`` / ``MPI_Exscan`` are given); None otherwise (float16, bfloat16)."""
+    name = _NATIVE_TYPES.get(np.dtype(dtype).name)
+    if name is None or op is ReduceOp.AVG or not hasattr(mpi(), name):
+        return None
+    return reduction(op, np.dtype(dtype))
 
 
 def byte_spec(array: np.ndarray, datatype=None) -> list:

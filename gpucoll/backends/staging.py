@@ -15,39 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import cuda_env
+from ..cuda_env import as_cupy_stream
 from ..graph_capture import HOST_STAGING, is_device_array, refusal, stream_is_capturing
 
 __all__ = ["Staged", "as_cupy_stream", "is_device_array", "refuse_capture"]
-
-
-class _StreamHandle:
-    """A raw stream pointer in the CUDA stream protocol (what ``Stream.from_external`` takes)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = int(ptr)
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-def as_cupy_stream(cupy, stream):
-    """``stream`` as a CuPy stream (None: the current one)."""
-    if stream is None or isinstance(stream, cupy.cuda.Stream):
-        return stream
-    if hasattr(stream, "__cuda_stream__"):
-        handle = stream
-    else:
-        ptr = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
-        if ptr is None and hasattr(stream, "ptr"):
-            ptr = stream.ptr
-        if ptr is None:
-            raise TypeError(f"stream must be a CuPy stream, an object with cuda_stream or "
-                            f"__cuda_stream__, or a pointer; got {type(stream).__name__}")
-        handle = _StreamHandle(ptr)
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:  # CuPy >= 14; ExternalStream is deprecated there
-        return from_external(handle)
-    return cupy.cuda.ExternalStream(handle.__cuda_stream__()[1])
 
 
 def refuse_capture(stream, backend: str) -> None:

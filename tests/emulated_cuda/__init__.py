@@ -32,7 +32,11 @@ The model
     that wait for those events wait too) until ``emu.release(stream)``, which runs the held
     work in the releasing thread. Work held on a stalled stream of an aborted communicator is
     dropped when it runs, as aborted kernels exit. An error of held work becomes the
-    communicator's asynchronous error (``check_async_error``).
+    communicator's asynchronous error (``check_async_error``). An array freed while work is
+    held on the stream that was current at its allocation keeps its memory until that work
+    has run (CuPy's pool reuses a block in the order of that stream only). The two-array
+    ufuncs that ``scan`` combines with (``cupy.add``, ``minimum``, ``bitwise_and``,
+    ``logical_or``...) write ``out=`` in order on the current stream, as a kernel does.
 
     Sends and receives issued between ``groupStart()`` and ``groupEnd()`` run together at
     ``groupEnd`` (sends are posted first, so a grouped exchange cannot deadlock); outside a

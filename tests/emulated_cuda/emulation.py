@@ -150,7 +150,30 @@ class Emulation:
                      "float16", "float32", "float64", "complex64", "complex128"):
             setattr(cupy, name, getattr(np, name))
         cupy.bool_ = np.bool_
+        for name in ("add", "multiply", "minimum", "maximum", "bitwise_and", "bitwise_or",
+                     "bitwise_xor", "logical_and", "logical_or", "logical_xor"):
+            setattr(cupy, name, self._ufunc(getattr(np, name)))
         return cupy, nccl
+
+    def _ufunc(self, ufunc: np.ufunc) -> Callable[..., ndarray]:
+        """CuPy's elementwise ufunc of two device arrays: into ``out`` as a kernel would, in
+        order on the current stream (recorded in a capture, run at each launch); without
+        ``out``, a new array at once."""
+        emu = self
+
+        def apply(x1, x2, out=None):
+            if not isinstance(x1, ndarray) or not isinstance(x2, ndarray):
+                raise TypeError(f"emulated CuPy: {ufunc.__name__} takes device arrays")
+            if out is None:
+                return emu._from_host(ufunc(x1._a, x2._a), x1._device_id)
+            change = lambda: ufunc(x1._a, x2._a, out=out._a)  # noqa: E731
+            state = emu._state(emu.get_current_stream().ptr)
+            if not emu._captured(state, lambda target: emu._submit(target, change)):
+                emu._submit(state, change)
+            return out
+
+        apply.__name__ = ufunc.__name__
+        return apply
 
     # -------------------------------------------------------------- thread state
     def current_device(self) -> int:
@@ -187,7 +210,18 @@ class Emulation:
         host = raw[:nbytes].view(dtype).reshape(shape)
         device = self.current_device() if device is None else device
         self._register(raw, nbytes, device)
-        return self._ndarray(host, device, raw, owndata=True)
+        array = self._ndarray(host, device, raw, owndata=True)
+        weakref.finalize(array, self._free, raw, self._state(self.get_current_stream().ptr,
+                                                             device))
+        return array
+
+    def _free(self, raw: np.ndarray, state: _StreamState) -> None:
+        """An array was freed. CuPy's pool gives its block back to the stream that was current
+        when it was allocated, for later allocations there: the work already enqueued on that
+        stream still reads and writes it. Its memory stays until that work has run."""
+        with self.lock:
+            if state.queue:
+                state.queue.append(("free", raw, None))
 
     def _filled(self, shape, dtype, value) -> ndarray:
         array = self._alloc(shape, dtype)
@@ -348,7 +382,7 @@ class Emulation:
                 state.queue.popleft()
                 state.running = True
             try:
-                if kind != "wait":
+                if kind not in ("wait", "free"):
                     payload()
             except BaseException as exc:  # held work: the error goes to its owner
                 (on_error or self.errors.append)(exc)
@@ -564,7 +598,7 @@ class Emulation:
         comm._async_error = NcclError(REMOTE_ERROR, detail)
 
     def pending(self, stream: Any, device: Optional[int] = None) -> int:
-        """How many items ``stream`` holds back."""
+        """How many items ``stream`` holds back (not counting memory freed behind them)."""
         state = self._state(getattr(stream, "ptr", stream), device)
         with self.lock:
-            return len(state.queue)
+            return sum(kind != "free" for kind, _, _ in state.queue)

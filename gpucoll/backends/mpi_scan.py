@@ -1,0 +1,45 @@
+"""The MPI backend's ``scan`` and ``exscan``: MPI's own ``Iscan`` / ``Iexscan``.
+
+Used for host (NumPy) arrays of a dtype that MPI reduces with its own datatype and op (see
+:mod:`.mpi_types`: every integer, float32/64, complex, bool); rank 0 of ``exscan``, which
+MPI leaves undefined, is then set to the op's identity here. float16, bfloat16 and device
+arrays take the generic recursive doubling of :mod:`gpucoll.scan` over this backend's
+point-to-point calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..scan import identity
+from ..types import ReduceOp
+from .mpi_types import byte_spec, mpi, native_reduction
+
+__all__ = ["MPIPrefixReductions"]
+
+
+class MPIPrefixReductions:
+    """Mixin of :class:`~gpucoll.backends.mpi.MPICommunicator` (uses its ``_stage``,
+    ``_collective`` and ``_comm``)."""
+
+    def _scan(self, x: Any, op: ReduceOp, out: Any, exclusive: bool, stream: Any = None):
+        found = native_reduction(op, x.dtype) if isinstance(x, np.ndarray) and (
+            out is None or isinstance(out, np.ndarray)) else None
+        if found is None:
+            return super()._scan(x, op, out, exclusive, stream)
+        datatype, mpi_op = found
+        src = self._stage(x, stream)
+        dst = self._stage(out, stream) if out is not None else src
+        send = mpi().IN_PLACE if dst is src else byte_spec(src.host, datatype)
+        recv = byte_spec(dst.host, datatype)
+        if exclusive:
+            start = lambda: self._comm.Iexscan(send, recv, mpi_op)  # noqa: E731
+        else:
+            start = lambda: self._comm.Iscan(send, recv, mpi_op)  # noqa: E731
+        result = self._collective("exscan" if exclusive else "scan", src, dst, start, False,
+                                  op=op)
+        if exclusive and self.rank == 0:
+            dst.host.fill(identity(op, x.dtype)[()])
+        return result
