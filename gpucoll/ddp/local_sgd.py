@@ -134,10 +134,15 @@ class _Periodic:
     # ------------------------------------------------------------------ the step
     def step(self) -> bool:
         """Count one inner step (call it after each optimizer step); every ``sync_every``-th
-        synchronizes the replicas, a collective. Returns whether this step synchronized.
+        synchronizes the replicas, a collective.
 
-        If the sync raises (a lost rank), the step is not counted; after ``comm.shrink()``,
-        :meth:`rebind` completes it on the survivors.
+        Returns:
+            Whether this step synchronized (the parameters are then equal on every rank).
+
+        Raises:
+            PeerError, CommTimeoutError, CommAbortedError: the sync failed (a lost rank); the
+                step is not counted, and after ``comm.shrink()`` :meth:`rebind` completes it
+                on the survivors.
         """
         if (self.steps + 1) % self.sync_every:
             self.steps += 1
