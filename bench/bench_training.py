@@ -8,7 +8,10 @@ Methods (``W`` workers each; a parameter server adds ``K`` server ranks on top):
 * ``fsdp``       - FullyShardedParameters (ZeRO-3: gather each layer forward and again
   backward, prefetching the next, reduce-scatter its gradients, update the slices);
 * ``ps-sync-1``  - one synchronous parameter server; ``ps-sync-2`` - two (sharded);
-* ``ps-async-1`` - one asynchronous server, staleness bound 2.
+* ``ps-async-1`` - one asynchronous server, staleness bound 2;
+* ``local-sgd-8`` - LocalSGD: local SGD steps, the weights averaged every 8 steps;
+* ``diloco-8``   - DiLoCo: local SGD steps, every 8 an outer Nesterov step (lr 0.7,
+  momentum 0.9) on the averaged pseudo-gradient.
 
 Each rank gets ``cpus // ranks`` BLAS threads (at least one), as torchrun's OMP_NUM_THREADS=1
 does: on a shared host, oversubscribed BLAS threads otherwise dominate every step.
@@ -17,7 +20,8 @@ Every configuration starts fresh ranks with ``gpucoll run`` and trains ``--steps
 same global batch (64) from the same initial weights and data order; time per step is the mean
 over the steps after ``--warmup``, averaged over the workers. Bytes per worker per step: for
 the collectives, what the algorithm puts on the wire per rank (ring model: 2 (W - 1) / W of
-the gradient bytes, the same for reduce-scatter + all-gather); for the parameter servers, the
+the gradient bytes, the same for reduce-scatter + all-gather; LocalSGD and DiLoCo: that of
+one all-reduce of the weights every 8 steps, divided by 8); for the parameter servers, the
 exact payload pushed and pulled by a worker, and separately what one server moves.
 
     python bench/bench_training.py [--ranks 2 3 4] [--hidden 128 1024] [--steps 80]
@@ -40,7 +44,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 METHODS = {"ddp": (0, 0), "zero": (0, 0), "fsdp": (0, 0), "ps-sync-1": (1, 0), "ps-sync-2": (2, 0),
-           "ps-async-1": (1, 2)}   # name -> (servers, staleness)
+           "ps-async-1": (1, 2), "local-sgd-8": (0, 0), "diloco-8": (0, 0)}
+# name -> (servers, staleness)
+SYNC_EVERY = 8        # LocalSGD's and DiLoCo's H
 GLOBAL_BATCH = 64
 LR = 0.05
 
@@ -48,8 +54,8 @@ LR = 0.05
 # ---------------------------------------------------------------------------- one rank
 def child(args) -> int:
     import gpucoll
-    from gpucoll.ddp import (Bucketer, DistributedSampler, FullyShardedParameters,
-                             ShardedOptimizer, broadcast_parameters, make_optimizer)
+    from gpucoll.ddp import (Bucketer, DiLoCo, DistributedSampler, FullyShardedParameters,
+                             LocalSGD, ShardedOptimizer, broadcast_parameters, make_optimizer)
     from gpucoll.examples.train_digits import init_params, load_digits_split, loss_and_grads
     from gpucoll.examples.train_fsdp import fsdp_logits, fsdp_loss_and_grads
     from gpucoll.ps import ParameterServer, PSWorker
@@ -84,6 +90,11 @@ def child(args) -> int:
     elif args.method == "zero":
         zero = ShardedOptimizer(group, params, "sgd", lr=LR)
         wire = zero.wire_bytes_per_step()
+    elif args.method in ("local-sgd-8", "diloco-8"):
+        kind = LocalSGD if args.method == "local-sgd-8" else DiLoCo
+        averager = kind(group, params, sync_every=SYNC_EVERY)
+        optimizer = make_optimizer("sgd", lr=LR)
+        wire = 2 * (workers - 1) / workers * averager.wire_bytes_per_sync() / SYNC_EVERY
     elif args.method == "fsdp":
         fsdp = FullyShardedParameters(group, [params[i:i + 2] for i in range(0, len(params), 2)],
                                       "sgd", lr=LR)
@@ -106,6 +117,11 @@ def child(args) -> int:
         elif args.method == "zero":
             loss_and_grads(params, x_train[batch], y_train[batch], on_grad=zero.mark_ready)
             zero.step()
+        elif args.method in ("local-sgd-8", "diloco-8"):
+            _, _, grads = loss_and_grads(params, x_train[batch], y_train[batch])
+            for index, (p, g) in enumerate(zip(params, grads)):
+                optimizer.update(index, p, g)
+            averager.step()
         elif args.method == "fsdp":
             # each rank's mean loss, as loss_and_grads: step() averages over the ranks
             fsdp_loss_and_grads(fsdp, x_train[batch], y_train[batch])

@@ -15,6 +15,8 @@
 * :class:`PowerSGD` - low-rank gradient compression with error feedback (torch's
   ``powerSGD_hook``): two small all-reduces instead of one of every element; after backward,
   or per bucket during it as a Bucketer's :class:`CommHook` (``Bucketer(..., comm_hook=)``).
+* :class:`LocalSGD`, :class:`DiLoCo` - communicate every H steps: average the parameters
+  (local SGD), or apply the averaged pseudo-gradient with an outer Nesterov SGD (DiLoCo).
 * :class:`SGD`, :class:`Adam` - element-wise optimizers written with the array module.
 * :class:`DynamicLossScaler` - mixed-precision loss scaling: skip on overflow on every rank
   together, back off, grow after clean steps.
@@ -31,6 +33,7 @@ from .clipping import clip_grad_norm, global_grad_norm
 from .comm_hook import CommHook
 from .powersgd import PowerSGD
 from .checkpoint_files import checkpoint_exists
+from .local_sgd import DiLoCo, LocalSGD
 from .loss_scaler import DynamicLossScaler
 from .metrics import all_reduce_metrics
 from .optim import SGD, Adam, make_optimizer
@@ -41,6 +44,6 @@ from .sync_bn import SyncBatchNorm, sync_batch_stats
 
 __all__ = ["Bucketer", "broadcast_parameters", "plan_buckets", "ShardedOptimizer",
            "FullyShardedParameters", "CheckpointError", "checkpoint_exists",
-           "clip_grad_norm", "global_grad_norm", "PowerSGD", "CommHook", "SGD", "Adam",
-           "make_optimizer", "DynamicLossScaler", "DistributedSampler", "all_reduce_metrics",
-           "sync_batch_stats", "SyncBatchNorm"]
+           "clip_grad_norm", "global_grad_norm", "PowerSGD", "CommHook", "LocalSGD", "DiLoCo",
+           "SGD", "Adam", "make_optimizer", "DynamicLossScaler", "DistributedSampler",
+           "all_reduce_metrics", "sync_batch_stats", "SyncBatchNorm"]

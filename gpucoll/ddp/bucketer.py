@@ -191,6 +191,11 @@ class Bucketer:
         """Parameter indices of each bucket, in issue order."""
         return [list(bucket.members) for bucket in self._buckets]
 
+    def wire_bytes_per_step(self) -> int:
+        """Bytes this rank hands to the all-reduces of one step: every bucket in its wire
+        dtype, the alignment padding included."""
+        return sum(bucket.length * bucket.wire_dtype.itemsize for bucket in self._buckets)
+
     # ------------------------------------------------------------------ the step
     @contextlib.contextmanager
     def no_sync(self) -> Iterator["Bucketer"]:

@@ -16,23 +16,29 @@ __all__ = ["SGD", "Adam", "make_optimizer"]
 
 
 class SGD:
-    """SGD with (heavy-ball) momentum, as in ``v = m v + g; p -= lr v``.
+    """SGD with (heavy-ball) momentum, as in ``v = m v + g; p -= lr v``, or Nesterov's
+    (``p -= lr (g + m v)``, torch's ``SGD(nesterov=True)``).
 
     Args:
         lr: learning rate (> 0).
         momentum: momentum factor in [0, 1); 0 keeps no state at all.
         weight_decay: L2 penalty added to the gradient.
+        nesterov: Nesterov momentum (needs ``momentum > 0``).
     """
 
     name = "sgd"
-    _SETTINGS = ("lr", "momentum", "weight_decay")
+    _SETTINGS = ("lr", "momentum", "weight_decay", "nesterov")
 
-    def __init__(self, lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 0.0):
+    def __init__(self, lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 0.0,
+                 nesterov: bool = False):
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if nesterov and not momentum > 0:
+            raise ValueError(f"nesterov=True needs momentum > 0, got momentum={momentum!r}")
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
+        self.nesterov = bool(nesterov)
         self.state: List[Dict[str, Any]] = []
 
     def _slot(self, index: int) -> Dict[str, Any]:
@@ -51,7 +57,7 @@ class SGD:
                 velocity = slot["velocity"] = param * 0
             velocity *= self.momentum
             velocity += grad
-            grad = velocity
+            grad = grad + self.momentum * velocity if self.nesterov else velocity
         param -= self.lr * grad
 
     def state_bytes(self) -> int:
