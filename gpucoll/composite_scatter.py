@@ -9,7 +9,9 @@ uneven blocks, the sharding of an FSDP parameter whose rows do not divide by the
   shape, or that it refused its input, so every rank raises alike), then the rows padded per
   rank to the longest count go in one ``scatter``: ``size * max(counts)`` rows leave the root
   instead of ``sum(counts)``, in one collective every backend has.
-- ``reduce_scatter_v``: every rank holds all ``sum(counts)`` rows. Padded to the longest count
+- ``reduce_scatter_v``: every rank holds all ``sum(counts)`` rows. A backend with its own uneven
+  reduce-scatter does it (MPI's ``Reduce_scatter`` on host arrays,
+  :mod:`gpucoll.backends.mpi_uneven`). Otherwise: padded to the longest count
   and reduced by one ``reduce_scatter`` (``size * max(counts)`` rows per rank into the
   algorithm instead of ``sum(counts)``); or, when padding would at least add half again and
   the rows are at least :data:`~gpucoll.composite.BROADCAST_MIN_BYTES`, one ``reduce`` per
@@ -206,7 +208,10 @@ class UnevenScatters:
         view, counts = self._rows_and_counts(x, counts, "reduce_scatter_v")
         check_op_dtype(op, view.dtype)
         longest, total = max(counts), sum(counts)
-        if longest == 0:
+        exact = self._exact_reduce_scatter_v(view, counts, op) if longest else None
+        if exact is not None:
+            result = exact
+        elif longest == 0:
             result = self._empty_as(view, (0,) + tuple(view.shape[1:]), view.dtype)
         elif total * _row_bytes(view) >= BROADCAST_MIN_BYTES and \
                 self.size * longest >= BROADCAST_MIN_PADDING * total:
@@ -214,6 +219,11 @@ class UnevenScatters:
         else:
             result = self._reduce_scatter_v_padded(view, counts, op)
         return self._hand_back(result, view, x), counts
+
+    def _exact_reduce_scatter_v(self, view: Any, counts: List[int], op: ReduceOp) -> Any:
+        """A backend's own uneven reduce-scatter (MPI's ``Reduce_scatter``), or None to build
+        it from the collectives here."""
+        return None
 
     def _reduce_scatter_v_padded(self, view: Any, counts: List[int], op: ReduceOp) -> Any:
         """One reduce_scatter of every rank's block padded to the longest; then trimmed."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from clusters import cluster_pools
 from mp_harness import error_text, rank_pools
 from gpucoll.perf.reference import as_dtype
 from reference import make_input, op_valid, reduce_reference
@@ -164,3 +165,39 @@ def test_uneven_scatter_usage_errors(pool):
         assert counts == list(range(1, n + 1))
         first = rank * (rank + 1) // 2
         np.testing.assert_array_equal(rows, np.arange(first, first + rank + 1, dtype=np.int16))
+
+
+# ------------------------------------------------------------------ the MPI backend
+mpi_pool = cluster_pools([("mpi", 2), ("mpi", 3)])
+
+
+def rank_mpi_reduce_scatters(comm, arr, all_cases):
+    out = {}
+    for seed, (case_id, pattern, trailing, dtype, op) in enumerate(all_cases):
+        counts = counts_of(pattern, comm.size)
+        x = full_input(seed, comm.rank, counts, trailing, dtype, op)
+        keep = x.copy()
+        before = len(comm.trace())
+        reduced, used = comm.reduce_scatter_v(x, counts, op=op)
+        calls = [entry["op"] for entry in comm.trace()[before:]]
+        np.testing.assert_array_equal(x, keep)
+        out[case_id] = (reduced, used, calls)
+    return out
+
+
+def test_the_mpi_backend_reduce_scatters_with_mpi_and_matches_numpy(mpi_pool):
+    n = mpi_pool.world_size
+    all_cases = list(cases())
+    results = mpi_pool.run(rank_mpi_reduce_scatters, all_cases)
+    for rank, got in enumerate(results):
+        for seed, (case_id, pattern, trailing, dtype, op) in enumerate(all_cases):
+            counts = counts_of(pattern, n)
+            start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
+            stacked = np.stack([full_input(seed, r, counts, trailing, dtype, op)
+                                for r in range(n)])
+            want = reduce_reference(stacked, op)[start:stop]
+            reduced, used, calls = got[case_id]
+            assert used == counts, case_id
+            assert calls == ["reduce_scatter_v"], (case_id, calls)   # MPI's own: nothing else
+            assert reduced.dtype == want.dtype and reduced.shape == want.shape, case_id
+            np.testing.assert_array_equal(reduced, want, err_msg=case_id)

@@ -8,7 +8,8 @@ blocking forever (MPI itself would); the communicator is then aborted. ``async_o
 ``wait()``; ``sendrecv`` is an ``Irecv`` and an ``Isend`` waited together (the default of
 :mod:`gpucoll.sendrecv`), ``batch_isend_irecv`` every ``Irecv`` then every ``Isend`` of its list
 (:mod:`gpucoll.batch_p2p`), ``scan`` / ``exscan`` MPI's ``Iscan`` / ``Iexscan`` where MPI
-reduces the dtype natively (:mod:`.mpi_scan`). Blocking collectives on host NumPy arrays take
+reduces the dtype natively (:mod:`.mpi_scan`), ``reduce_scatter_v`` MPI's ``Ireduce_scatter``
+with receive counts (:mod:`.mpi_uneven`). Blocking collectives on host NumPy arrays take
 the short paths of :mod:`.mpi_short` (with GPUCOLL_MPI_BLOCKING=1, MPI's blocking forms
 under the watchdog of :mod:`.mpi_blocking`). MPI orders collectives by issue order, and
 messages between two ranks arrive in send order.
@@ -47,6 +48,7 @@ from ..work import Work
 from . import mpi_types, signature
 from .mpi_blocking import BlockingWatchdog
 from .mpi_scan import MPIPrefixReductions
+from .mpi_uneven import MPIUnevenScatters
 from .mpi_short import HostShortPaths
 from .mpi_types import byte_spec, mpi, reduction
 from .staging import Staged, as_cupy_stream, refuse_capture
@@ -130,7 +132,7 @@ def _host_key() -> int:
     return int.from_bytes(digest[:7], "little")
 
 
-class MPICommunicator(HostShortPaths, MPIPrefixReductions, Communicator):
+class MPICommunicator(HostShortPaths, MPIPrefixReductions, MPIUnevenScatters, Communicator):
     """Communicator over an mpi4py communicator (see module doc).
 
     Args:

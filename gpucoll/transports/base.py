@@ -32,7 +32,7 @@ KIND_CLOSE = 1
 OP_CODES = {
     "send": 1, "all_reduce": 2, "broadcast": 3, "reduce": 4, "all_gather": 5,
     "reduce_scatter": 6, "gather": 7, "scatter": 8, "all_to_all": 9, "barrier": 10,
-    "split": 11, "debug_check": 12, "close": 13, "scan": 14, "exscan": 15,
+    "split": 11, "debug_check": 12, "close": 13, "scan": 14, "exscan": 15, "reduce_scatter_v": 16,
 }
 OP_NAMES = {code: name for name, code in OP_CODES.items()}
 
