@@ -3,8 +3,8 @@
 
 The conformance suite (test_collectives.py) already runs every collective through the short
 paths on the ``mpi`` clusters; here: the in-place all-reduce in pieces for every dtype and op
-(with tiny pieces, so that small odd sizes take many, and once with the real sizes), the four
-short paths with ``GPUCOLL_MPI_BLOCKING=1``, and that the short paths fail exactly as the
+(with tiny pieces, so that small odd sizes take many, and once with the real sizes), the short
+paths (scan and exscan too) with ``GPUCOLL_MPI_BLOCKING=1``, and that the short paths fail exactly as the
 general path does (timeout, abort while waiting, GPUCOLL_DEBUG's mismatch check). The blocking
 mode's timeout with a stuck peer is in test_real_launchers.py (it ends the process).
 """
@@ -21,7 +21,8 @@ import pytest
 from clusters import MPICluster
 from gpucoll.backends.mpi_blocking import EXIT_STATUS, BlockingWatchdog
 from gpucoll.perf.reference import bfloat16
-from reference import ALL_DTYPES, OPS, assert_equal_result, make_input, op_valid, reduce_reference
+from reference import (ALL_DTYPES, OPS, assert_equal_result, identity_reference, make_input,
+                       op_valid, prefix_reference, reduce_reference)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -83,7 +84,7 @@ def rank_pieces(comm, arrays, cases, piece_bytes, above):
 
 def rank_short_paths(comm, arrays, dtypes):
     taken = {name: _counting(comm, f"_host_{name}")
-             for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter")}
+             for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "scan")}
     out = {}
     try:
         for i, dtype in enumerate(dtypes):
@@ -94,6 +95,10 @@ def rank_short_paths(comm, arrays, dtypes):
                     out[("all_reduce", dtype, op)] = comm.all_reduce(x, op=op, out=np.empty_like(x))
                     x = make_input(i, comm.rank, (comm.size, 7), dt, op)
                     out[("reduce_scatter", dtype, op)] = comm.reduce_scatter(x, op=op)
+                if op != "avg" and op_valid(op, dtype):
+                    x = make_input(i, comm.rank, (3, 5), dt, op)
+                    out[("scan", dtype, op)] = comm.scan(x.copy(), op=op)
+                    out[("exscan", dtype, op)] = comm.exscan(x, op=op, out=np.empty_like(x))
             out[("all_gather", dtype)] = comm.all_gather(make_input(i, comm.rank, (13,), dt))
             for root in range(comm.size):
                 x = make_input(i + root, comm.rank, (1, 13), dt)
@@ -185,6 +190,9 @@ def test_short_paths_match_numpy(cluster):
         assert taken["all_gather"] == len(dtypes) and taken["broadcast"] == len(dtypes) * size
         assert taken["all_reduce"] == taken["reduce_scatter"] == sum(
             op_valid(op, d) for d in dtypes for op in ("sum", "max", "avg"))
+        # scan and exscan: the dtypes MPI reduces itself (float16, bfloat16: recursive doubling)
+        assert taken["scan"] == 2 * sum(op_valid(op, d) for d in dtypes for op in ("sum", "max")
+                                        if d not in ("float16", "bfloat16"))
         for key, got in out.items():
             name, dtype, dt = key[0], key[1], _dtype(key[1])
             i = dtypes.index(dtype)
@@ -194,10 +202,18 @@ def test_short_paths_match_numpy(cluster):
                 expected = _expected(i, size, (size, 7), dt, key[2])[rank]
             elif name == "all_gather":
                 expected = np.stack([make_input(i, r, (13,), dt) for r in range(size)])
+            elif name in ("scan", "exscan"):
+                stacked = np.stack([make_input(i, r, (3, 5), dt, key[2]) for r in range(size)])
+                prefix = prefix_reference(stacked, key[2])
+                if name == "scan":
+                    expected = prefix[rank]
+                else:
+                    expected = prefix[rank - 1] if rank else identity_reference(key[2], dt, (3, 5))
             else:
                 expected = make_input(i + key[2], key[2], (1, 13), dt)
             assert_equal_result(got, expected, f"rank {rank} {key}", key[2] if
-                                name in ("all_reduce", "reduce_scatter") else "sum")
+                                name in ("all_reduce", "reduce_scatter", "scan", "exscan")
+                                else "sum")
 
 
 def test_short_path_fails_as_the_general_path_does(cluster):
