@@ -22,7 +22,8 @@ GPipe and 1F1B run a stage's backwards in the order of its forwards, the interle
 a chunk's backwards in the order of that chunk's forwards. Counting a chunk's forward and
 backward as ``1 / v`` of a stage's, the idle time (bubble) is ``(P - 1) / (v M + P - 1)`` of a
 step when every forward and backward take the same time: GPipe and 1F1B are ``v = 1``. The
-interleaved schedule pays for the smaller bubble with ``v`` times the messages.
+interleaved schedule pays for the smaller bubble with more messages: ``2 M (P v - 1)`` a step
+against ``2 M (P - 1)``, about ``v`` times as many.
 """
 
 from __future__ import annotations
