@@ -51,11 +51,14 @@ def _stage_slices(stages):
 
 
 # ---------------------------------------------------------------------------- schedules
-def _simulate(schedule, stages, micro_batches):
+def _simulate(schedule, stages, micro_batches, virtual_stages=1, starts=None):
     """Unit-time forwards and backwards, each stage running its actions in order as soon as
-    their inputs exist: returns the makespan (a deadlock would leave actions unrun)."""
+    their inputs exist: returns the makespan (a deadlock would leave actions unrun). Model
+    chunk ``k P + s`` is chunk ``k`` of stage ``s``; ``starts[(s, action)]``: its start."""
     done = {}
-    lists = [schedule_actions(schedule, s, stages, micro_batches) for s in range(stages)]
+    lists = [schedule_actions(schedule, s, stages, micro_batches, virtual_stages)
+             for s in range(stages)]
+    last = stages * virtual_stages - 1
     clock = [0] * stages
     position = [0] * stages
     while any(position[s] < len(lists[s]) for s in range(stages)):
@@ -63,14 +66,18 @@ def _simulate(schedule, stages, micro_batches):
         for s in range(stages):
             if position[s] == len(lists[s]):
                 continue
-            kind, m = lists[s][position[s]]
-            needs = ([("F", s - 1, m)] if kind == "F" and s > 0 else
-                     [("B", s + 1, m)] if kind == "B" and s < stages - 1 else [])
+            action = lists[s][position[s]]
+            kind, m = action[:2]
+            c = (action[2] if len(action) > 2 else 0) * stages + s
+            needs = ([("F", c - 1, m)] if kind == "F" and c > 0 else
+                     [("B", c + 1, m)] if kind == "B" and c < last else [])
             if kind == "B":
-                needs.append(("F", s, m))
+                needs.append(("F", c, m))
             if all(need in done for need in needs):
                 start = max([clock[s]] + [done[need] for need in needs])
-                done[(kind, s, m)] = clock[s] = start + 1
+                done[(kind, c, m)] = clock[s] = start + 1
+                if starts is not None:
+                    starts[(s, action)] = start
                 position[s] += 1
                 progressed = True
         assert progressed, f"{schedule} deadlocks at {position}"

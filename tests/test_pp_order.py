@@ -11,7 +11,10 @@ forgiving (sends progress on their own threads), so a schedule that runs there m
 on a GPU. This file records each stage's issue order from the real ``Pipeline`` (a recording
 communicator; every stage in this process) and plays the stages against each other under the
 strict rule: every schedule, 1 to 5 stages, 1 to 8 micro-batches, training and evaluation,
-must finish, with each receive matching its send's tag and size.
+must finish, with each receive matching its send's tag and size. The interleaved schedule
+(1 to 3 chunks per rank) goes in lockstep slots, each slot's sends and receives as one group;
+issued as the other schedules are (after each action, its output and the next action's input)
+it deadlocks from two chunks per rank and M > P on.
 """
 
 from __future__ import annotations
@@ -67,6 +70,15 @@ class RecordingComm:
                            ("recv", src, tag if recv_tag is None else recv_tag, out.nbytes)])
         return _Done() if async_op else out
 
+    def batch_isend_irecv(self, ops):
+        unit = []
+        for op in ops:
+            if op.op == "recv":
+                op.array[...] = 0
+            unit.append((op.op, op.peer, op.tag, op.array.nbytes))
+        self.units.append(unit)
+        return [_Done() for _ in ops]
+
     def connect_peers(self, peers):
         """One group of a one-byte send to and receive from each peer (as on NCCL); tag -1."""
         if peers:  # none: nothing is sent
@@ -77,19 +89,23 @@ class RecordingComm:
         pass
 
 
-def issue_orders(schedule: str, stages: int, micro_batches: int,
-                 training: bool = True) -> List[List[List[Op]]]:
-    """Each stage's units, recorded from ``Pipeline`` running two steps."""
-    layers = mlp_layers(init_params(SIZES[:stages + 1], seed=0), stages)
-    built = [Stage(layer) for layer in layers]
-    table = np.array([[s.in_features, s.out_features, wire_code(s.dtype)] for s in built])
+def issue_orders(schedule: str, stages: int, micro_batches: int, training: bool = True,
+                 virtual_stages: int = 1) -> List[List[List[Op]]]:
+    """Each stage's units, recorded from ``Pipeline`` running two steps (interleaved: rank
+    ``r`` runs chunks ``r, r + P, ...`` of ``P v``, each of one linear layer)."""
+    chunks = stages * virtual_stages
+    sizes = SIZES[:chunks + 1] if chunks < len(SIZES) else [4 + i % 7 for i in range(chunks + 1)]
+    built = [Stage(layer) for layer in mlp_layers(init_params(sizes, seed=0), chunks)]
+    table = np.array([[[s.in_features, s.out_features, wire_code(s.dtype)]
+                       for s in built[index::stages]] for index in range(stages)])
     rows = 2 * micro_batches
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((rows, SIZES[0])).astype(np.float32)
-    y = rng.integers(0, SIZES[stages], rows)
+    x = rng.standard_normal((rows, sizes[0])).astype(np.float32)
+    y = rng.integers(0, sizes[-1], rows)
     orders = []
-    for index, stage in enumerate(built):
+    for index in range(stages):
         comm = RecordingComm(index, stages, table)
+        stage = built[index] if schedule != "interleaved" else built[index::stages]
         pipe = Pipeline(comm, stage, micro_batches=micro_batches, schedule=schedule)
         args = dict(inputs=x if index == 0 else None, labels=y if index == stages - 1 else None,
                     batch_size=None if index in (0, stages - 1) else rows)
@@ -225,3 +241,26 @@ def test_evaluation_cannot_deadlock_on_a_stream_ordered_backend(stages):
     for micro_batches in (1, 4, 7):
         orders = issue_orders("1f1b", stages, micro_batches, training=False)
         assert play(orders) is None, (stages, micro_batches)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+def test_interleaved_steps_cannot_deadlock_on_a_stream_ordered_backend(stages):
+    for virtual_stages in (1, 2, 3):
+        for micro_batches in (stages, 2 * stages, 3 * stages):
+            for training in (True, False):
+                orders = issue_orders("interleaved", stages, micro_batches, training,
+                                      virtual_stages)
+                assert play(orders) is None, (stages, virtual_stages, micro_batches, training)
+                sends = sum(op[0] == "send" and op[2] >= 0
+                            for units in orders for unit in units for op in unit)
+                # 2 passes, each message of every chunk boundary (and back when training)
+                assert sends == 2 * (1 + training) * micro_batches * (
+                    stages * virtual_stages - 1)
+                for index, units in enumerate(orders):   # the ring neighbours, first
+                    ring = sorted({(index - 1) % stages, (index + 1) % stages})
+                    assert [unit for unit in units if unit[0][2] == -1] == [units[0]]
+                    assert [op[1] for op in units[0][::2]] == ring
+                    # one tag per (pass, micro-batch, chunk, direction): none sent twice
+                    tags = [op[2] for unit in units for op in unit
+                            if op[0] == "send" and op[2] >= 0]
+                    assert len(set(tags)) == len(tags)
