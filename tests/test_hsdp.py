@@ -1,0 +1,312 @@
+"""Hybrid sharding (HSDP): ``FullyShardedParameters(shard, ..., replicate_comm=replicate)``
+over a ``Mesh(comm, replicate=R, shard=S)`` trains to the weights of one process on the whole
+batch (2 x 2, the degenerate 4 x 1, 1 x 4, 1 x 3 and 3 x 1), clipped to the global norm of
+that process; every replica ends bit-identical; only the shards' gradients cross the
+replicate communicator (counted in its trace); checkpoints written by one replica load at
+another layout and back; bad communicators raise on every rank and leave them usable."""
+
+import os
+
+import numpy as np
+import pytest
+
+import gpucoll
+from gpucoll.ddp import FullyShardedParameters, checkpoint_exists, checkpoint_files
+from gpucoll.ddp.checkpoint_files import METADATA
+from gpucoll.examples.train_digits import init_params, loss_and_grads
+from gpucoll.examples.train_fsdp import fsdp_loss_and_grads
+from mp_harness import RankPool, error_text
+from reference_training import SETTINGS, ReferenceOptimizer, rank_batch, training_data
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = [13, 17, 11, 7]        # 520 floats in three layers: no unit divides by 2, 3 or 4
+GLOBAL_BATCH = 12
+STEPS = 4
+SAVED_AT = 2
+MAX_NORM = 0.3                 # below every step's norm here: clipping acts at each step
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Four ranks; three-rank runs use a group of the first three (the fourth sits out)."""
+    ranks = RankPool(4)
+    yield ranks
+    ranks.close()
+
+
+def _first(comm, n):
+    """A communicator of the first ``n`` ranks of ``comm`` (None on the others)."""
+    return comm if n == comm.size else comm.split(0 if comm.rank < n else None, key=comm.rank)
+
+
+def _run(pool, n, fn, *args):
+    """``fn(world, *args)`` on a world of ``n`` ranks (made of the pool's); their results."""
+    return pool.run(_on_first, n, fn, *args)[:n]
+
+
+def _on_first(comm, n, fn, *args):
+    world = _first(comm, n)
+    if world is None:
+        return None
+    try:
+        return fn(world, *args)
+    finally:
+        if world is not comm:
+            world.close()
+
+
+def _data():
+    return training_data(SIZES, STEPS, GLOBAL_BATCH)
+
+
+def _units(params):
+    return [params[i:i + 2] for i in range(0, len(params), 2)]
+
+
+def reference(optimizer, steps=STEPS, max_norm=None):
+    """One process, the whole batch, clipped in float64 when ``max_norm`` is given."""
+    x, y = _data()
+    params = init_params(SIZES, seed=5)
+    opt = ReferenceOptimizer(optimizer, params)
+    norms = []
+    for step in range(steps):
+        _, _, grads = loss_and_grads(params, *rank_batch(x, y, step, 0, 1, GLOBAL_BATCH))
+        grads = [g.astype(np.float64) for g in grads]
+        norm = np.sqrt(sum(float((g * g).sum()) for g in grads))
+        coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
+        opt.step(params, [g * coef for g in grads])
+        norms.append(norm)
+    return params, norms
+
+
+def _hybrid(comm, mesh, optimizer, params, **settings):
+    return FullyShardedParameters(mesh["shard"], _units(params), optimizer,
+                                  replicate_comm=mesh["replicate"],
+                                  **dict(SETTINGS[optimizer], **settings))
+
+
+def _train(comm, fsdp, steps, max_norm=None):
+    """Each world rank trains on its share of the global batch."""
+    x, y = _data()
+    norms = []
+    for step in steps:
+        fsdp_loss_and_grads(fsdp, *rank_batch(x, y, step, comm.rank, comm.size, GLOBAL_BATCH))
+        assert fsdp.step(max_norm=max_norm)
+        norms.append(None if max_norm is None else float(fsdp.grad_norm[0]))
+    return norms
+
+
+def _full(fsdp):
+    return [p for unit in fsdp.full_parameters() for p in unit]
+
+
+# ---------------------------------------------------------------- training
+def rank_train(comm, replicas, shards, optimizer, max_norm):
+    with gpucoll.Mesh(comm, replicate=replicas, shard=shards) as mesh:
+        params = init_params(SIZES, seed=5)
+        if comm.rank != 0:
+            params = [p + 1 for p in params]      # only world rank 0's values may count
+        fsdp = _hybrid(comm, mesh, optimizer, params)
+        shard, replicate = mesh["shard"], mesh["replicate"]
+        before = len(shard.trace()), len(replicate.trace())
+        norms = _train(comm, fsdp, range(STEPS), max_norm)
+        crossed = [(e["op"], e["bytes"], e["state"]) for e in replicate.trace()[before[1]:]]
+        inside = [e["op"] for e in shard.trace()[before[0]:]]
+        return (_full(fsdp), norms, crossed, inside, fsdp.shard_sizes, fsdp.replicas,
+                fsdp.data_parallel_size, fsdp.replicate_wire_bytes)
+
+
+LAYOUTS = [(4, 2, 2), (4, 4, 1), (4, 1, 4), (3, 1, 3), (3, 3, 1)]   # ranks, replicas, shards
+
+
+@pytest.mark.parametrize("optimizer,max_norm", [("sgd", None), ("adam", MAX_NORM)])
+@pytest.mark.parametrize("n,replicas,shards", LAYOUTS,
+                         ids=[f"{r}x{s}" for _, r, s in LAYOUTS])
+def test_hybrid_equals_full_batch(pool, n, replicas, shards, optimizer, max_norm):
+    want, want_norms = reference(optimizer, max_norm=max_norm)
+    results = _run(pool, n, rank_train, replicas, shards, optimizer, max_norm)
+    for full, norms, crossed, inside, sizes, reps, ranks, replicate_bytes in results:
+        assert reps == replicas and ranks == n
+        for got, expected in zip(full, want):
+            assert got.dtype == np.float32 and got.shape == expected.shape
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+        if max_norm is not None:   # the global norm: not counted once per replica
+            np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+        # across replicas: one all-reduce of each unit's slice (float32) per step, nothing else
+        slices = [("all_reduce", 4 * size, "done") for size in sizes]
+        assert crossed == (slices * STEPS if replicas > 1 else [])
+        assert replicate_bytes == STEPS * sum(2 * (replicas - 1) * 4 * size // replicas
+                                              for size in sizes)   # ring model
+        # inside a shard group: the gathers, the reduce-scatters, the norm's all-reduce
+        assert inside.count("all_reduce") == (STEPS if max_norm and shards > 1 else 0)
+        assert set(inside) <= {"all_gather", "reduce_scatter", "all_reduce"}
+    for result in results[1:]:      # every rank of every replica: the same weights, bit for bit
+        for a, b in zip(result[0], results[0][0]):
+            np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- checkpoints
+def _counting_writes():
+    """Record the slice files this rank writes (restore with the returned function)."""
+    written, original = [], checkpoint_files._write_array
+
+    def counting(array, path):
+        written.append(os.path.basename(path))
+        original(array, path)
+
+    checkpoint_files._write_array = counting
+    return written, lambda: setattr(checkpoint_files, "_write_array", original)
+
+
+def rank_save_hybrid(comm, where):
+    with gpucoll.Mesh(comm, replicate=2, shard=2) as mesh:
+        fsdp = _hybrid(comm, mesh, "adam", init_params(SIZES, seed=5))
+        _train(comm, fsdp, range(SAVED_AT))
+        written, restore = _counting_writes()
+        try:
+            pending = fsdp.save_checkpoint(where, extra={"step": SAVED_AT}, async_write=True)
+            path = pending.wait()
+        finally:
+            restore()
+        state = fsdp.state_dict(root=0)
+        return written, path, state
+
+
+def rank_resume_plain(comm, where):
+    fsdp = FullyShardedParameters(comm, _units([p * 0 + 7 for p in init_params(SIZES)]),
+                                  "adam", lr=0.5)
+    extra = fsdp.load_checkpoint(where)
+    _train(comm, fsdp, range(fsdp.steps, STEPS))
+    return _full(fsdp), extra
+
+
+def rank_save_plain(comm, where):
+    fsdp = FullyShardedParameters(comm, _units(init_params(SIZES, seed=5)), "adam",
+                                  **SETTINGS["adam"])
+    _train(comm, fsdp, range(SAVED_AT))
+    fsdp.save_checkpoint(where)
+
+
+def rank_resume_hybrid(comm, where):
+    with gpucoll.Mesh(comm, replicate=2, shard=2) as mesh:
+        fsdp = _hybrid(comm, mesh, "adam", [p * 0 + 7 for p in init_params(SIZES)], lr=0.5)
+        fsdp.load_checkpoint(where)
+        steps = fsdp.steps
+        _train(comm, fsdp, range(steps, STEPS))
+        return _full(fsdp), steps, fsdp.optimizer.lr
+
+
+def test_checkpoint_of_one_replica_loads_at_another_layout_and_back(pool, tmp_path):
+    want, _ = reference("adam")
+    saved, _ = reference("adam", SAVED_AT)
+    keys = ["param", "m", "v"]
+    hybrid_dir = str(tmp_path / "hybrid")
+    results = _run(pool, 4, rank_save_hybrid, hybrid_dir)
+    shard_files = {rank: sorted(f"{k}-rank{rank:05d}-of-00002.npy" for k in keys)
+                   for rank in range(2)}
+    for world_rank, (written, path, state) in enumerate(results):
+        assert path == os.path.join(hybrid_dir, METADATA)
+        # replica 0 (world ranks 0, 1) writes its shard ranks' files; replica 1 nothing
+        assert sorted(written) == (shard_files[world_rank] if world_rank < 2 else [])
+        assert (state is None) == (world_rank != 0)
+    for got, expected in zip(results[0][2]["params"], saved):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    assert checkpoint_exists(hybrid_dir)
+    assert sorted(os.listdir(hybrid_dir)) == sorted([METADATA] + shard_files[0] + shard_files[1])
+
+    for full, extra in _run(pool, 3, rank_resume_plain, hybrid_dir):   # 2 x 2 -> 3 ranks
+        assert extra == {"step": SAVED_AT}
+        for got, expected in zip(full, want):
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+    plain_dir = str(tmp_path / "plain")
+    _run(pool, 3, rank_save_plain, plain_dir)
+    results = _run(pool, 4, rank_resume_hybrid, plain_dir)            # 3 ranks -> 2 x 2
+    for full, steps, lr in results:
+        assert steps == SAVED_AT and lr == SETTINGS["adam"]["lr"]
+        for got, expected in zip(full, want):
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+        for a, b in zip(full, results[0][0]):
+            np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- usage errors
+class _DeviceComm:
+    """A communicator-like object whose arrays live on the GPU (never called)."""
+    rank, size, memory = 0, 2, "cuda"
+
+    def all_reduce(self, *args, **kwargs):
+        raise AssertionError("a collective ran before the check")
+
+
+def rank_errors(comm):
+    units = _units(init_params(SIZES, seed=5))
+    errors = {}
+    with gpucoll.Mesh(comm, replicate=2, shard=2) as mesh:
+        shard = mesh["shard"]
+
+        def make(replicate, model=units):
+            return lambda: FullyShardedParameters(shard, model, replicate_comm=replicate)
+
+        errors["itself"] = error_text(make(shard))
+        errors["world"] = error_text(make(comm))
+        errors["type"] = error_text(make(5))
+        errors["memory"] = error_text(make(_DeviceComm()))
+        crossed = comm.split(0 if comm.rank in (0, 3) else 1, key=comm.rank)   # [0, 3], [1, 2]
+        errors["crossed"] = error_text(make(crossed))
+        crossed.close()
+        wider = list(SIZES)
+        wider[1] += 1
+        other = _units(init_params(wider, seed=5))
+        errors["replica model"] = error_text(make(mesh["replicate"],
+                                                  other if comm.rank >= 2 else units))
+        errors["one rank"] = error_text(make(mesh["replicate"],
+                                             other if comm.rank == 3 else units))
+        usable = comm.all_reduce(np.array([comm.rank + 1.0]))    # nothing is left half-done
+        fsdp = FullyShardedParameters(shard, units, replicate_comm=mesh["replicate"])
+        return errors, float(usable[0]), fsdp.replicas
+
+
+def test_bad_replicate_communicators_raise_on_every_rank(pool):
+    for rank, (errors, usable, replicas) in enumerate(_run(pool, 4, rank_errors)):
+        shard_ranks = [0, 1] if rank < 2 else [2, 3]
+        assert usable == 10.0 and replicas == 2
+        assert errors["itself"].startswith("ValueError: FullyShardedParameters: replicate_comm "
+                                           "is the shard communicator itself")
+        assert errors["world"] == (
+            f"ValueError: FullyShardedParameters: the shard communicator (world ranks "
+            f"{shard_ranks}) and replicate_comm (world ranks [0, 1, 2, 3]) share world ranks "
+            f"{shard_ranks}; they must meet in this rank only")
+        assert errors["type"] == ("TypeError: FullyShardedParameters: replicate_comm must be a "
+                                  "gpucoll Communicator (or None), got int")
+        assert errors["memory"].startswith("ValueError: FullyShardedParameters: the shard "
+                                           "communicator holds 'host' arrays and "
+                                           "replicate_comm 'cuda' ones")
+        mine, theirs = (0, 1) if rank < 2 else (1, 0)      # this rank's replicate rank
+        hint = ("; the ranks of the replicate communicator must have the same shard rank of "
+                "shard communicators of one size (Mesh(comm, replicate=R, shard=S) makes both) "
+                "and the same parameters")
+        # crossed replicas: ranks 0 and 3 (1 and 2) hold different slices
+        assert errors["crossed"] == (
+            f"ValueError: FullyShardedParameters: replicate rank {mine} and replicate rank "
+            f"{theirs} hold different shards (shard rank {rank % 2} vs {1 - rank % 2}){hint}")
+        # replica 1's model is larger: each replica agrees within itself, not with the other
+        sizes = ("532 vs 556", "231790030 vs 921237367") if rank < 2 else \
+            ("556 vs 532", "921237367 vs 231790030")
+        assert errors["replica model"] == (
+            f"ValueError: FullyShardedParameters: replicate rank {mine} and replicate rank "
+            f"{theirs} hold different shards (elements {sizes[0]}, shape checksum "
+            f"{sizes[1]}){hint}")
+        if rank < 2:    # the other replica's shard group disagreed within itself
+            assert errors["one rank"] == (
+                "ValueError: FullyShardedParameters: the shard group of replicate rank 1 has "
+                "different parameter layouts; every rank must pass units of the same "
+                "parameter shapes and dtypes")
+        else:           # only rank 3's model is larger
+            ours, other = ("556 vs 532", "921237367 vs 231790030") if rank == 3 else \
+                ("532 vs 556", "231790030 vs 921237367")
+            assert errors["one rank"] == (
+                f"ValueError: FullyShardedParameters: rank {rank - 2} and rank {3 - rank} have "
+                f"different parameter layouts (elements {ours}, shape checksum {other}); every "
+                f"rank must pass units of the same parameter shapes and dtypes")
