@@ -191,10 +191,14 @@ def rank_save_plain(comm, where):
 def rank_resume_hybrid(comm, where):
     with gpucoll.Mesh(comm, replicate=2, shard=2) as mesh:
         fsdp = _hybrid(comm, mesh, "adam", [p * 0 + 7 for p in init_params(SIZES)], lr=0.5)
+        # replica 1 is given a directory without a checkpoint: replica 0 must not load alone
+        wrong = where if mesh.coords["replicate"] == 0 else where + "-missing"
+        failed = error_text(lambda: fsdp.load_checkpoint(wrong), (OSError,))
+        unchanged = fsdp.steps == 0 and all((p == 7).all() for p in _full(fsdp))
         fsdp.load_checkpoint(where)
         steps = fsdp.steps
         _train(comm, fsdp, range(steps, STEPS))
-        return _full(fsdp), steps, fsdp.optimizer.lr
+        return _full(fsdp), steps, fsdp.optimizer.lr, failed, unchanged
 
 
 def test_checkpoint_of_one_replica_loads_at_another_layout_and_back(pool, tmp_path):
@@ -223,7 +227,11 @@ def test_checkpoint_of_one_replica_loads_at_another_layout_and_back(pool, tmp_pa
     plain_dir = str(tmp_path / "plain")
     _run(pool, 3, rank_save_plain, plain_dir)
     results = _run(pool, 4, rank_resume_hybrid, plain_dir)            # 3 ranks -> 2 x 2
-    for full, steps, lr in results:
+    for world_rank, (full, steps, lr, failed, unchanged) in enumerate(results):
+        assert failed.startswith("FileNotFoundError: ") and unchanged
+        if world_rank < 2:
+            assert failed.startswith("FileNotFoundError: load_checkpoint failed on replicate "
+                                     "rank 1: FileNotFoundError: ")
         assert steps == SAVED_AT and lr == SETTINGS["adam"]["lr"]
         for got, expected in zip(full, want):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
