@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import gpucoll
-from gpucoll.ddp import FullyShardedParameters, checkpoint_exists, checkpoint_files
+from gpucoll.ddp import (FullyShardedParameters, ShardedOptimizer, checkpoint_exists,
+                         checkpoint_files)
 from gpucoll.ddp.checkpoint_files import METADATA
 from gpucoll.examples.train_digits import init_params, loss_and_grads
 from gpucoll.examples.train_fsdp import fsdp_loss_and_grads
@@ -142,6 +143,42 @@ def test_hybrid_equals_full_batch(pool, n, replicas, shards, optimizer, max_norm
         assert inside.count("all_reduce") == (STEPS if max_norm and shards > 1 else 0)
         assert set(inside) <= {"all_gather", "reduce_scatter", "all_reduce"}
     for result in results[1:]:      # every rank of every replica: the same weights, bit for bit
+        for a, b in zip(result[0], results[0][0]):
+            np.testing.assert_array_equal(a, b)
+
+
+def rank_train_zero(comm, replicas, shards):
+    """ZeRO-1 with a replicate communicator: several buckets, clipped, Adam."""
+    x, y = _data()
+    with gpucoll.Mesh(comm, replicate=replicas, shard=shards) as mesh:
+        params = init_params(SIZES, seed=5)
+        opt = ShardedOptimizer(mesh["shard"], params, "adam", replicate_comm=mesh["replicate"],
+                               first_bucket_cap_bytes=64, bucket_cap_bytes=512,
+                               **SETTINGS["adam"])
+        replicate = mesh["replicate"]
+        before = len(replicate.trace())
+        norms = []
+        for step in range(STEPS):
+            loss_and_grads(params, *rank_batch(x, y, step, comm.rank, comm.size, GLOBAL_BATCH),
+                           on_grad=opt.mark_ready)
+            assert opt.step(max_norm=MAX_NORM)
+            norms.append(float(opt.grad_norm[0]))
+        crossed = [(e["op"], e["bytes"]) for e in replicate.trace()[before:]]
+        slices = [4 * shard.chunk for shard in opt._shards]
+        return params, norms, crossed, slices, opt.data_parallel_size
+
+
+@pytest.mark.parametrize("n,replicas,shards", [(4, 2, 2), (3, 3, 1)], ids=["2x2", "3x1"])
+def test_zero1_with_replicas_equals_full_batch(pool, n, replicas, shards):
+    want, want_norms = reference("adam", max_norm=MAX_NORM)
+    results = _run(pool, n, rank_train_zero, replicas, shards)
+    for params, norms, crossed, slices, ranks in results:
+        assert ranks == n and len(slices) > 1
+        for got, expected in zip(params, want):
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+        assert crossed == [("all_reduce", size) for size in slices] * STEPS
+    for result in results[1:]:
         for a, b in zip(result[0], results[0][0]):
             np.testing.assert_array_equal(a, b)
 
