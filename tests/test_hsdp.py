@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 import gpucoll
-from gpucoll.ddp import (FullyShardedParameters, ShardedOptimizer, checkpoint_exists,
-                         checkpoint_files)
+from gpucoll.ddp import (DynamicLossScaler, FullyShardedParameters, ShardedOptimizer,
+                         checkpoint_exists, checkpoint_files)
 from gpucoll.ddp.checkpoint_files import METADATA
 from gpucoll.examples.train_digits import init_params, loss_and_grads
 from gpucoll.examples.train_fsdp import fsdp_loss_and_grads
+from gpucoll.kernels import bfloat16
 from mp_harness import RankPool, error_text
 from reference_training import SETTINGS, ReferenceOptimizer, rank_batch, training_data
 
@@ -181,6 +182,72 @@ def test_zero1_with_replicas_equals_full_batch(pool, n, replicas, shards):
     for result in results[1:]:
         for a, b in zip(result[0], results[0][0]):
             np.testing.assert_array_equal(a, b)
+
+
+def rank_train_narrow(comm, micro_batches):
+    """2 x 2, bfloat16 gathers and reductions, ``micro_batches`` per step."""
+    x, y = _data()
+    with gpucoll.Mesh(comm, replicate=2, shard=2) as mesh:
+        fsdp = FullyShardedParameters(mesh["shard"], _units(init_params(SIZES, seed=5)), "sgd",
+                                      compute_dtype="bfloat16",
+                                      replicate_comm=mesh["replicate"], **SETTINGS["sgd"])
+        before = len(mesh["replicate"].trace())
+        for step in range(STEPS):
+            xb, yb = rank_batch(x, y, step, comm.rank, comm.size, GLOBAL_BATCH)
+            assert len(xb) % micro_batches == 0
+            rows = len(xb) // micro_batches
+            for m in range(micro_batches):
+                part = slice(m * rows, (m + 1) * rows)
+                fsdp_loss_and_grads(fsdp, xb[part], yb[part], scale=1 / micro_batches)
+            assert fsdp.step()
+        crossed = [(e["op"], e["bytes"], e["dtype"])
+                   for e in mesh["replicate"].trace()[before:]]
+        return _full(fsdp), crossed, fsdp.shard_sizes
+
+
+@pytest.mark.skipif(bfloat16 is None, reason="bfloat16 on NumPy needs ml_dtypes")
+@pytest.mark.parametrize("micro_batches", [1, 3])   # 3 rows per rank: 1 or 3 parts
+def test_hybrid_bfloat16_and_accumulation(pool, micro_batches):
+    """One micro-batch: the slices cross in bfloat16 (2 bytes); three: their float32 sum
+    crosses once per step, not once per micro-batch."""
+    want, _ = reference("sgd")
+    itemsize, dtype = (2, "bfloat16") if micro_batches == 1 else (4, "float32")
+    for full, crossed, sizes in _run(pool, 4, rank_train_narrow, micro_batches):
+        for got, expected in zip(full, want):
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(got, expected, rtol=0, atol=2e-2)
+        assert crossed == [("all_reduce", itemsize * size, dtype) for size in sizes] * STEPS
+
+
+def rank_overflow(comm):
+    """World rank 3 (replica 1, shard rank 1) alone sends an inf at the second step."""
+    with gpucoll.Mesh(comm, replicate=2, shard=2) as mesh:
+        params = init_params(SIZES, seed=1)
+        fsdp = FullyShardedParameters(mesh["shard"], _units(params), lr=0.1, momentum=0.0,
+                                      replicate_comm=mesh["replicate"])
+        scaler = DynamicLossScaler(init_scale=8.0)
+        stepped, after = [], []
+        for step in range(3):
+            for index in reversed(range(fsdp.units)):
+                grads = [np.full(p.shape, 8.0 * (comm.rank + 1), np.float32)
+                         for p in params[2 * index:2 * index + 2]]
+                if step == 1 and index == 0 and comm.rank == 3:
+                    grads[0][0, 0] = np.inf
+                fsdp.reduce_gradients(index, grads)
+            stepped.append(fsdp.step(scaler=scaler))
+            after.append(_full(fsdp))
+        return stepped, after, params
+
+
+def test_overflow_on_one_rank_of_one_replica_skips_everywhere(pool):
+    for stepped, after, start in _run(pool, 4, rank_overflow):
+        assert stepped == [True, False, True]
+        for first, skipped, last, p in zip(*after, start):
+            # unscaled gradient: the mean over the 4 ranks of (rank + 1) = 2.5
+            np.testing.assert_allclose(first, p - 0.25, rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(skipped, first)
+            # the scale backed off to 4: the same gradients unscale to twice as much
+            np.testing.assert_allclose(last, p - 0.75, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------- checkpoints
