@@ -103,6 +103,18 @@ def _full(fsdp):
     return [p for unit in fsdp.full_parameters() for p in unit]
 
 
+def _counting_writes():
+    """Record the slice files this rank writes (restore with the returned function)."""
+    written, original = [], checkpoint_files._write_array
+
+    def counting(array, path):
+        written.append(os.path.basename(path))
+        original(array, path)
+
+    checkpoint_files._write_array = counting
+    return written, lambda: setattr(checkpoint_files, "_write_array", original)
+
+
 # ---------------------------------------------------------------- training
 def rank_train(comm, replicas, shards, optimizer, max_norm):
     with gpucoll.Mesh(comm, replicate=replicas, shard=shards) as mesh:
@@ -148,8 +160,8 @@ def test_hybrid_equals_full_batch(pool, n, replicas, shards, optimizer, max_norm
             np.testing.assert_array_equal(a, b)
 
 
-def rank_train_zero(comm, replicas, shards):
-    """ZeRO-1 with a replicate communicator: several buckets, clipped, Adam."""
+def rank_train_zero(comm, replicas, shards, where):
+    """ZeRO-1 with a replicate communicator: several buckets, clipped, Adam; then saved."""
     x, y = _data()
     with gpucoll.Mesh(comm, replicate=replicas, shard=shards) as mesh:
         params = init_params(SIZES, seed=5)
@@ -166,15 +178,30 @@ def rank_train_zero(comm, replicas, shards):
             norms.append(float(opt.grad_norm[0]))
         crossed = [(e["op"], e["bytes"]) for e in replicate.trace()[before:]]
         slices = [4 * shard.chunk for shard in opt._shards]
-        return params, norms, crossed, slices, opt.data_parallel_size
+        written, restore = _counting_writes()
+        try:
+            path = opt.save_checkpoint(where)
+        finally:
+            restore()
+        state = opt.state_dict(root=shards - 1)
+        return (params, norms, crossed, slices, opt.data_parallel_size, written, path,
+                None if state is None else state["params"])
 
 
 @pytest.mark.parametrize("n,replicas,shards", [(4, 2, 2), (3, 3, 1)], ids=["2x2", "3x1"])
-def test_zero1_with_replicas_equals_full_batch(pool, n, replicas, shards):
+def test_zero1_with_replicas_equals_full_batch(pool, tmp_path, n, replicas, shards):
     want, want_norms = reference("adam", max_norm=MAX_NORM)
-    results = _run(pool, n, rank_train_zero, replicas, shards)
-    for params, norms, crossed, slices, ranks in results:
+    where = str(tmp_path / "zero")
+    results = _run(pool, n, rank_train_zero, replicas, shards, where)
+    for world_rank, (params, norms, crossed, slices, ranks, written, path, state) in \
+            enumerate(results):
         assert ranks == n and len(slices) > 1
+        # only replica 0 (world ranks 0 .. shards - 1) writes, and gathers the state dict
+        assert len(written) == (3 if world_rank < shards else 0)
+        assert path == os.path.join(where, METADATA)
+        assert (state is None) == (world_rank != shards - 1)
+        for got, expected in zip(state or [], want):
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
         for got, expected in zip(params, want):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
@@ -251,18 +278,6 @@ def test_overflow_on_one_rank_of_one_replica_skips_everywhere(pool):
 
 
 # ---------------------------------------------------------------- checkpoints
-def _counting_writes():
-    """Record the slice files this rank writes (restore with the returned function)."""
-    written, original = [], checkpoint_files._write_array
-
-    def counting(array, path):
-        written.append(os.path.basename(path))
-        original(array, path)
-
-    checkpoint_files._write_array = counting
-    return written, lambda: setattr(checkpoint_files, "_write_array", original)
-
-
 def rank_save_hybrid(comm, where):
     with gpucoll.Mesh(comm, replicate=2, shard=2) as mesh:
         fsdp = _hybrid(comm, mesh, "adam", init_params(SIZES, seed=5))
