@@ -342,11 +342,14 @@ def test_example_matches_one_process_and_holds_half():
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", GPUCOLL_QUIET="1")
     runs = {}
-    for ranks, micro_batches in ((1, 1), (2, 1), ("2x4", 4)):   # the last accumulates
-        launch = ["gpucoll", "run", "-n", str(ranks)[0], "-m"] if ranks != 1 else []
+    # the last accumulates, on 2 ranks as 2 replicas of 1 shard (hybrid sharding's wiring;
+    # tests/test_hsdp.py trains 2 x 2 and the other layouts)
+    for name, ranks, micro_batches, replicas in ((1, 1, 1, 1), (2, 2, 1, 1), ("2x1x4", 2, 4, 2)):
+        launch = ["gpucoll", "run", "-n", str(ranks), "-m"] if ranks != 1 else []
         command = [sys.executable, "-m"] + launch + ["gpucoll.examples.train_fsdp"]
         out = subprocess.run(command + ["--epochs", "2", "--cpu", "--hidden", "64",
-                                        "--micro-batches", str(micro_batches)],
+                                        "--micro-batches", str(micro_batches),
+                                        "--replicas", str(replicas)],
                              capture_output=True, text=True, timeout=100, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
         lines = [line.split("] ", 1)[-1] for line in out.stdout.splitlines()]
@@ -355,8 +358,10 @@ def test_example_matches_one_process_and_holds_half():
                 if "bytes per rank" in line]
         assert len(epochs) == 2 and len(held) == 1, out.stdout
         assert "at most 2 layer(s) whole at once" in out.stdout
-        runs[ranks] = epochs, held[0]
+        runs[name] = epochs, held[0]
     assert runs[2][0] == runs[1][0]                  # same losses and accuracies, to 4 digits
-    assert runs["2x4"] == runs[2]                    # four micro-batches: the same, same bytes
+    assert "(2 replica(s) of 1)" in out.stdout
+    # 2 replicas, 4 micro-batches: the same losses; a shard of 1 holds what one process does
+    assert runs["2x1x4"] == (runs[2][0], runs[1][1])
     assert float(runs[2][0][-1].split("test acc ")[1]) > 0.85
     assert runs[1][1] / 2 <= runs[2][1] < runs[1][1] / 2 + 3 * 4 * 3 * 4   # half + padding

@@ -65,7 +65,7 @@ EXAMPLES = _examples()
 def test_the_readme_has_runnable_examples():
     names = {example.name for example in EXAMPLES}
     assert {"demo.py", "survive.py", "zero_demo.py", "fsdp_demo.py", "tp_demo.py", "moe_demo.py",
-            "ps_demo.py", "cp_demo.py"} <= names, names
+            "ps_demo.py", "cp_demo.py", "hsdp_demo.py"} <= names, names
 
 
 def _gpu_reason() -> str:

@@ -7,6 +7,8 @@
   shard (optimizer state is 1 / world_size of DDP's), all-gather the parameters.
 * :class:`FullyShardedParameters` - ZeRO stage 3 / FSDP: parameters, gradients and optimizer
   state all sharded; a layer is all-gathered only while it computes (prefetch included).
+* Hybrid sharding (HSDP) for both: ``replicate_comm=`` shards inside a group and replicates
+  across groups; only each slice's gradient crosses groups, as one all-reduce per step.
 * Checkpoints of both that load at any world size: ``state_dict()`` / ``load_state_dict()``
   (whole arrays, gathered) and ``save_checkpoint()`` / ``load_checkpoint()`` (each rank writes
   and reads only its slices); :func:`checkpoint_exists`.

@@ -17,6 +17,11 @@ Two forms of the same content:
 Loading checks everything before it changes anything, and the ranks agree on the outcome:
 when one rank cannot load, every rank raises an error of the same type and no rank's state
 has changed. Ranks that pass different checkpoints are named.
+
+Hybrid sharding (an object with a ``replicate_comm``): each replica holds the whole state, so
+a checkpoint is that of one replica: replicate rank 0's shard group writes the files (the
+others write nothing) and gathers a ``state_dict(root=...)``; every replica loads its slices
+itself. The ranks of both communicators agree on every outcome.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class CheckpointView:
                  param_slices: Sequence[Any], replicated: Optional[Sequence[Any]] = None,
                  busy: Optional[str] = None):
         self.owner, self.comm, self.optimizer = owner, owner.comm, owner.optimizer
+        replicate = getattr(owner, "replicate_comm", None)
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.dtype, self.xp = np.dtype(owner.dtype), owner.xp
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
@@ -77,26 +84,40 @@ class Plan(NamedTuple):
 
 
 # ---------------------------------------------------------------- the ranks agree
-def agree(comm, what: str, error: Optional[BaseException], fingerprint: Any = None) -> None:
+def agree(comm, what: str, error: Optional[BaseException], fingerprint: Any = None,
+          replicate: Any = None) -> None:
     """Exchange each rank's outcome; raise on every rank when any rank failed.
 
     The failing rank raises its own error; the others raise one of the same type (OSError,
     ValueError, TypeError and their kin; CheckpointError otherwise) quoting it, so code that
     catches e.g. FileNotFoundError takes the same branch on every rank. Fingerprints that
-    differ raise ValueError naming the ranks.
+    differ raise ValueError naming the ranks. With a ``replicate`` communicator, the outcome
+    over ``comm`` is then exchanged over it the same way (nothing raises before both), so the
+    ranks of every shard group of the job agree.
     """
+    error = _outcome(comm, "rank", what, error, fingerprint)
+    if replicate is not None and replicate.size > 1:
+        error = _outcome(replicate, "replicate rank", what, error, fingerprint)
+    if error is not None:
+        raise error
+
+
+def _outcome(comm, who: str, what: str, error: Optional[BaseException],
+             fingerprint: Any) -> Optional[BaseException]:
+    """The error every rank of ``comm`` raises (``error`` itself on its rank), or None."""
     report = None if error is None else [type(error).__name__, str(error)]
     table = comm.all_gather_object([report, fingerprint])
     if error is not None:
-        raise error
+        return error
     for rank, (other, _) in enumerate(table):
         if other is not None:
-            raise _kind(other[0])(f"{what} failed on rank {rank}: {other[0]}: {other[1]}")
+            return _kind(other[0])(f"{what} failed on {who} {rank}: {other[0]}: {other[1]}")
     for rank, (_, theirs) in enumerate(table):
         if theirs != fingerprint:
-            raise ValueError(f"{what}: rank {comm.rank} and rank {rank} were given different "
-                             f"checkpoints (step {fingerprint[0]} vs {theirs[0]}); every rank "
-                             f"must load the same one")
+            return ValueError(f"{what}: {who} {comm.rank} and {who} {rank} were given different "
+                              f"checkpoints (step {fingerprint[0]} vs {theirs[0]}); every rank "
+                              f"must load the same one")
+    return None
 
 
 _KINDS = {k.__name__: k for k in (FileNotFoundError, FileExistsError, PermissionError,
@@ -147,12 +168,16 @@ def gather_state(view: CheckpointView, root: Optional[int] = None) -> Optional[D
     """Every parameter and its optimizer state, whole, as NumPy arrays (a collective).
 
     ``root=None`` gives the dict to every rank (all-gathers); ``root=r`` only to rank ``r``
-    (gathers; the others get None).
+    (gathers; the others get None). With a replicate communicator each shard group gathers
+    its own copy for ``root=None``; for ``root=r`` only rank ``r`` of replicate rank 0's
+    shard group gets one (the other replicas send nothing).
     """
     comm = view.comm
     if root is not None and not (isinstance(root, (int, np.integer)) and 0 <= root < comm.size):
         raise ValueError(f"root must be a rank in [0, {comm.size}) or None, got {root!r}")
     _check_idle(view)
+    if root is not None and view.replicate is not None and view.replicate.rank != 0:
+        return None
     optimizer = view.optimizer
     arrays, scalar_keys = optimizer.state_keys()
     has_state = _has_state(view)
@@ -209,7 +234,8 @@ def load_state(view: CheckpointView, state: Any) -> None:
         plan = plan_load(view, header, lambda key, p, a, b: _flat(stored[key][p])[a:b])
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         error = exc
-    agree(view.comm, "load_state_dict", error, None if plan is None else plan.fingerprint)
+    agree(view.comm, "load_state_dict", error, None if plan is None else plan.fingerprint,
+          view.replicate)
     apply_plan(view, plan)
 
 

@@ -16,6 +16,10 @@ position that hold it under the saved one, and reads it through a memory map: a 
 world size, bucket caps or class (ZeRO-1 or FSDP) reads its 1 / n. Saving into a directory
 that holds a checkpoint first removes its metadata, so a save that dies leaves no checkpoint
 that looks complete; keep one directory per step to always have one to go back to.
+
+With hybrid sharding only replicate rank 0's shard group writes (files named by its shard
+ranks: the checkpoint of one replica, loadable like any other); the other replicas write
+nothing and learn the outcome, so every rank returns, or raises, alike.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from .checkpoint import (FORMAT, PARAM, CheckpointView, Group, _check_idle, _has_state, agree,
-                         apply_plan, plan_load, to_host)
+from .checkpoint import (FORMAT, PARAM, CheckpointError, CheckpointView, Group, _check_idle,
+                         _has_state, agree, apply_plan, plan_load, to_host)
 
 __all__ = ["METADATA", "PendingCheckpoint", "save", "load", "checkpoint_exists"]
 
@@ -71,6 +75,26 @@ def save(view: CheckpointView, directory: str, extra: Any = None,
             Every rank raises an error of the same type (with ``async_write``, write errors
             come from ``wait()``).
     """
+    replicate = view.replicate
+    if replicate is None:
+        return _save(view, directory, extra, async_write)
+    result, error = None, None
+    if replicate.rank == 0:      # one replica writes; the others only hear how it went
+        try:
+            result = _save(view, directory, extra, async_write)
+        except (OSError, TypeError, ValueError, KeyError, CheckpointError) as exc:
+            error = exc
+    agree(replicate, "save_checkpoint", error)
+    if not async_write:
+        return os.path.join(os.fspath(directory), METADATA)
+    if result is None:
+        result = PendingCheckpoint(view.comm, os.fspath(directory), None, writes=False)
+    result.replicate = replicate    # its wait() shares the writers' outcome
+    return result
+
+
+def _save(view: CheckpointView, directory: str, extra: Any, async_write: bool) -> Any:
+    """:func:`save` over the shard communicator: its ranks write."""
     comm = view.comm
     error, header = None, None
     try:
@@ -115,8 +139,11 @@ class PendingCheckpoint:
     the previous checkpoint as the newest.
     """
 
-    def __init__(self, comm, directory: str, header: Dict[str, Any]):
+    def __init__(self, comm, directory: str, header: Optional[Dict[str, Any]], *,
+                 writes: bool = True):
         self.comm, self.directory, self.header = comm, directory, header
+        self.writes = writes    # False on the replicas that do not write (hybrid sharding)
+        self.replicate = None   # hybrid sharding: the writers' outcome is shared over it
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._result: Optional[str] = None
@@ -144,12 +171,27 @@ class PendingCheckpoint:
         ``save_checkpoint`` does, on every rank; a second call returns at once."""
         if self._result is not None:
             return self._result
+        metadata = os.path.join(self.directory, METADATA)
+        if self.replicate is None:
+            self._finish(metadata)
+        else:
+            error = None
+            if self.writes:
+                try:
+                    self._finish(metadata)
+                except (OSError, TypeError, ValueError, KeyError, CheckpointError) as exc:
+                    error = exc
+            agree(self.replicate, "save_checkpoint", error)
+        self._result = metadata
+        return metadata
+
+    def _finish(self, metadata: str) -> None:
+        """The writers' part of :meth:`wait`."""
         if self._thread is not None:
             self._thread.join()
         comm = self.comm
         agree(comm, "save_checkpoint", self._error)
         error = None
-        metadata = os.path.join(self.directory, METADATA)
         if comm.rank == 0:
             try:
                 _check_files(self.directory, self.header)
@@ -159,8 +201,6 @@ class PendingCheckpoint:
             except (OSError, ValueError) as exc:
                 error = exc
         agree(comm, "save_checkpoint", error)
-        self._result = metadata
-        return metadata
 
 
 def _header(view: CheckpointView, extra: Any) -> Dict[str, Any]:
@@ -271,7 +311,8 @@ def load(view: CheckpointView, directory: str) -> Any:
         plan = plan_load(view, header, reader.read)
     except (OSError, TypeError, ValueError, KeyError) as exc:
         error = exc
-    agree(comm, "load_checkpoint", error, None if plan is None else plan.fingerprint)
+    agree(comm, "load_checkpoint", error, None if plan is None else plan.fingerprint,
+          view.replicate)
     apply_plan(view, plan)
     return header.get("extra")
 

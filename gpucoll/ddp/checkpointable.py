@@ -22,7 +22,8 @@ class Checkpointable:
 
         Args:
             root: None gives the dict to every rank; a rank number gives it to that rank
-                only (the others return None), holding one copy in all.
+                only (the others return None), holding one copy in all. With hybrid
+                sharding it is a rank of ``comm`` in the shard group of replicate rank 0.
         """
         return gather_state(self._checkpoint_view(), root)
 
@@ -42,7 +43,8 @@ class Checkpointable:
         """Write this rank's slices to ``directory`` (shared by every rank); see
         :func:`gpucoll.ddp.checkpoint_files.save`. Returns the metadata file's path, or with
         ``async_write=True`` a ``PendingCheckpoint`` at once (training goes on while the
-        files are written; its ``wait()``, on every rank, completes the checkpoint)."""
+        files are written; its ``wait()``, on every rank, completes the checkpoint). With
+        hybrid sharding only the shard group of replicate rank 0 writes; every rank calls it."""
         self._no_pending_save("save_checkpoint")
         result = save(self._checkpoint_view(), directory, extra, async_write)
         if async_write:

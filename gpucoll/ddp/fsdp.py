@@ -25,6 +25,13 @@ With ``compute_dtype="bfloat16"`` (or "float16") the master slices stay float32 
 gathered, and gradients reduce-scattered, in the narrower type: half the bytes on the wire and
 in the gathered buffers, as in mixed-precision FSDP. Casts run in the fused bucket kernels.
 
+Hybrid sharding (HSDP, torch's ``HYBRID_SHARD``): with ``replicate_comm`` the parameters are
+sharded over ``comm`` (a node's ranks) and replicated over ``replicate_comm`` (the ranks
+holding the same slice in the other shard groups). Gathers and reduce-scatters stay inside
+``comm``; in ``step()`` each rank all-reduces only its reduced slice over ``replicate_comm``
+(started as each reduce-scatter finishes, all in flight together) and averages over every
+rank, so training equals data parallelism over all of them (:mod:`.hybrid`).
+
 Only the ``Communicator`` interface is used; arrays are NumPy or CuPy.
 """
 
@@ -40,6 +47,7 @@ from .bucketer import _array_module, _wire_dtype
 from .checkpoint import CheckpointView, Group
 from .checkpointable import Checkpointable
 from .clipping import check_max_norm, clip_grad_norm
+from .hybrid import check_replicate_comm, replicate_slice
 from .layout import check_same_layout, shapes_checksum
 from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
 from .optim import SGD, make_optimizer
@@ -88,14 +96,22 @@ class FullyShardedParameters(Checkpointable):
         compute_dtype: None (the parameters' dtype), "bfloat16" or "float16" (float32
             parameters only): the dtype units are gathered and gradients reduced in.
         sync_from: the rank whose values every rank starts from (scattered: only its slices
-            travel); None when every rank already holds the same values.
+            travel); None when every rank already holds the same values. With
+            ``replicate_comm``: that rank of ``comm`` in the replica of replicate rank 0
+            (its slices are then broadcast over ``replicate_comm``).
+        replicate_comm: hybrid sharding: the communicator of the ranks that hold this rank's
+            slice in the other shard groups (the same rank of a ``comm`` of the same size),
+            over which each step's reduced slices are averaged; None: ``comm`` holds every
+            data-parallel rank.
         **optimizer_kwargs: passed to the optimizer (``lr``, ``momentum``, ``betas``...).
 
     Raises:
         ValueError: no units, an empty unit, a non-contiguous array, layouts that differ
-            between ranks (the numbers are named), a bad ``sync_from``.
+            between ranks (the numbers are named), a bad ``sync_from``; a ``replicate_comm``
+            that is ``comm``, shares other ranks with it, uses another memory, or whose
+            ranks hold different shards (checked with one small all-gather over it).
         TypeError: a parameter that is not float32 / float64, mixed dtypes, or a compute dtype
-            that cannot be used.
+            that cannot be used; a ``replicate_comm`` that is not a communicator.
 
     Checkpoints (:meth:`state_dict`, :meth:`save_checkpoint`) hold every parameter and its
     optimizer state whole, so they load at any world size (:mod:`gpucoll.ddp.checkpoint`).
@@ -109,11 +125,19 @@ class FullyShardedParameters(Checkpointable):
         fsdp.reduce_gradients(1, [gW1, gb1])     # as soon as a layer's gradients exist
         fsdp.reduce_gradients(0, [gW0, gb0])
         fsdp.step()                              # every rank's slices updated
+
+    Hybrid sharding (4 ranks: 2 replicas of 2 shards; a shard group is adjacent ranks)::
+
+        mesh = gpucoll.Mesh(comm, replicate=2, shard=2)
+        fsdp = FullyShardedParameters(mesh["shard"], units, "adam",
+                                      replicate_comm=mesh["replicate"])
     """
 
     def __init__(self, comm, units: Sequence[Sequence[Any]], optimizer: Any = "sgd", *,
                  compute_dtype: Optional[str] = None, sync_from: Optional[int] = 0,
-                 **optimizer_kwargs):
+                 replicate_comm: Any = None, **optimizer_kwargs):
+        self.replicate_comm = check_replicate_comm("FullyShardedParameters", comm,
+                                                   replicate_comm)
         units = [list(unit) for unit in units]
         if not units:
             raise ValueError("units is empty")
@@ -144,14 +168,18 @@ class FullyShardedParameters(Checkpointable):
             [len(units), len(flat), sum(u.length for u in self._units),
              shapes_checksum([u.shapes for u in self._units]), self.dtype.itemsize,
              self.compute_dtype.itemsize],
-            flat[0], "every rank must pass units of the same parameter shapes and dtypes")
+            flat[0], "every rank must pass units of the same parameter shapes and dtypes",
+            replicate=self.replicate_comm)
         for unit, arrays in zip(self._units, units):
             self._shard(unit, arrays, sync_from)
+            if sync_from is not None and self.replicas > 1:
+                self.replicate_comm.broadcast(unit.param, root=0)
         self.found_inf = None
         self.steps = 0
         self.skipped_steps = 0
         self.grad_norm = None   # the last step's global gradient norm (with max_norm)
         self.wire_bytes = 0   # what this rank has sent in gathers and reductions (ring model)
+        self.replicate_wire_bytes = 0   # what it has sent over replicate_comm (ring model)
 
     def _compute_dtype(self, name: Optional[str]) -> np.dtype:
         if name is None:
@@ -179,6 +207,16 @@ class FullyShardedParameters(Checkpointable):
         unit.param = flat[rank * unit.chunk:(rank + 1) * unit.chunk].copy()
 
     # ------------------------------------------------------------------ what is held
+    @property
+    def replicas(self) -> int:
+        """Shard groups holding the same parameters (``replicate_comm.size``; 1 without)."""
+        return 1 if self.replicate_comm is None else self.replicate_comm.size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients each step averages: ``comm.size x replicas``."""
+        return self.comm.size * self.replicas
+
     @property
     def units(self) -> int:
         return len(self._units)
@@ -404,10 +442,19 @@ class FullyShardedParameters(Checkpointable):
         loss_scale, self.found_inf = sharded_unscale_settings(self.xp, loss_scale, scaler,
                                                               check_finite)
         try:
+            if self.replicas > 1:   # each slice summed over its replicas, all in flight
+                for unit in self._units:
+                    unit.reducing = replicate_slice(self.replicate_comm, unit.reducing,
+                                                    unit.wire_grad)
+                    self.replicate_wire_bytes += 2 * (self.replicas - 1) * \
+                        int(unit.wire_grad.nbytes) // self.replicas
             average_reduced_slices(self.comm, [(u.reducing, u.wire_grad, u.grad)
-                                               for u in self._units], loss_scale, self.found_inf)
+                                               for u in self._units], loss_scale, self.found_inf,
+                                   ranks=self.data_parallel_size)
         finally:
             self._reset()
+        # inf / NaN in any replica reached every replica's slice: the shard group's flags
+        # cover every rank, as the slices' squares do for clipping
         if agree_on_overflow(self.comm, self.found_inf, scaler):
             self.skipped_steps += 1
             return False

@@ -19,7 +19,7 @@ Example (two ranks)::
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -39,14 +39,16 @@ def sharded_unscale_settings(xp: Any, loss_scale: Any, scaler: Any, check_finite
     return loss_scale, (xp.zeros(1, dtype=np.int32) if check else None)
 
 
-def average_reduced_slices(comm: Any, slices, loss_scale: Any, found_inf: Any) -> None:
-    """Wait for each ``(work, reduced, grad)`` reduce-scatter and write ``reduced`` averaged
-    over the ranks (and unscaled, flagging inf / NaN in ``found_inf``) into ``grad``: one fused
-    unpack each, which also casts a narrower wire dtype back."""
+def average_reduced_slices(comm: Any, slices, loss_scale: Any, found_inf: Any,
+                           ranks: Optional[int] = None) -> None:
+    """Wait for each ``(work, reduced, grad)`` reduction and write ``reduced`` averaged over
+    the ranks (``ranks`` of them, default ``comm.size``; hybrid sharding sums over more) and
+    unscaled, flagging inf / NaN in ``found_inf``, into ``grad``: one fused unpack each,
+    which also casts a narrower wire dtype back."""
     for work, reduced, grad in slices:
         work.wait()
-        kernels.unpack(reduced, [grad], scale=1.0 / comm.size, loss_scale=loss_scale,
-                       found_inf=found_inf)
+        kernels.unpack(reduced, [grad], scale=1.0 / (ranks or comm.size),
+                       loss_scale=loss_scale, found_inf=found_inf)
 
 
 def agree_on_overflow(comm: Any, found_inf: Any, scaler: Any) -> bool:

@@ -10,6 +10,10 @@ inf / NaN), updates it with an optimizer whose state covers only that slice, the
 Bytes on the wire per step equal a ring all-reduce's (reduce-scatter + all-gather is how a ring
 all-reduce works), but each rank keeps 1 / world_size of the optimizer state and does
 1 / world_size of the update arithmetic. Only the ``Communicator`` interface is used.
+
+Hybrid sharding: with ``replicate_comm`` the state is sharded over ``comm`` and replicated over
+``replicate_comm``; each rank's reduced slice is all-reduced over ``replicate_comm`` before the
+update, and averaged over every rank (:mod:`.hybrid`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from .bucketer import MiB, _array_module, plan_buckets
 from .checkpoint import CheckpointView, Group
 from .checkpointable import Checkpointable
 from .clipping import check_max_norm, clip_grad_norm
+from .hybrid import check_replicate_comm, replicate_slice
 from .layout import check_same_layout, shapes_checksum
 from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
 from .optim import SGD, make_optimizer
@@ -55,11 +60,17 @@ class ShardedOptimizer(Checkpointable):
             ``broadcast_parameters``); updated in place by :meth:`step`.
         optimizer: "sgd" (momentum) or "adam", or an ``SGD`` / ``Adam`` object.
         bucket_cap_bytes, first_bucket_cap_bytes: as for the ``Bucketer``.
+        replicate_comm: hybrid sharding: the communicator of the ranks holding this rank's
+            slice in the other shard groups (as for ``FullyShardedParameters``); None: ``comm``
+            holds every data-parallel rank.
         **optimizer_kwargs: passed to the optimizer (``lr``, ``momentum``, ``betas``...).
 
     Raises:
-        ValueError: parameter layouts differ between ranks (the numbers are named); bad caps.
-        TypeError: a parameter that is not float32 / float64, or mixed dtypes.
+        ValueError: parameter layouts differ between ranks (the numbers are named); bad caps;
+            a ``replicate_comm`` that is ``comm``, shares other ranks with it, uses another
+            memory, or whose ranks hold different shards.
+        TypeError: a parameter that is not float32 / float64, or mixed dtypes; a
+            ``replicate_comm`` that is not a communicator.
 
     Checkpoints (:meth:`state_dict`, :meth:`save_checkpoint`) hold the parameters and the
     optimizer state whole, so they load at any world size (:mod:`gpucoll.ddp.checkpoint`).
@@ -73,7 +84,8 @@ class ShardedOptimizer(Checkpointable):
 
     def __init__(self, comm, params: Sequence[Any], optimizer: Any = "sgd", *,
                  bucket_cap_bytes: int = 25 * MiB, first_bucket_cap_bytes: int = 1 * MiB,
-                 **optimizer_kwargs):
+                 replicate_comm: Any = None, **optimizer_kwargs):
+        self.replicate_comm = check_replicate_comm("ShardedOptimizer", comm, replicate_comm)
         if bucket_cap_bytes <= 0 or first_bucket_cap_bytes <= 0:
             raise ValueError(f"bucket caps must be positive, got {bucket_cap_bytes} and "
                              f"{first_bucket_cap_bytes}")
@@ -119,7 +131,17 @@ class ShardedOptimizer(Checkpointable):
                           [len(self.params), sum(sizes), len(self._shards),
                            shapes_checksum(self.shapes), self.dtype.itemsize],
                           self.params[0], "every rank must pass the same parameter shapes and "
-                          "bucket caps")
+                          "bucket caps", replicate=self.replicate_comm)
+
+    @property
+    def replicas(self) -> int:
+        """Shard groups holding the same state (``replicate_comm.size``; 1 without)."""
+        return 1 if self.replicate_comm is None else self.replicate_comm.size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients each step averages: ``comm.size x replicas``."""
+        return self.comm.size * self.replicas
 
     @property
     def buckets(self) -> List[List[int]]:
@@ -141,8 +163,9 @@ class ShardedOptimizer(Checkpointable):
         return self.optimizer.state_bytes()
 
     def wire_bytes_per_step(self) -> int:
-        """Bytes this rank sends per step by the ring model: (n - 1) / n of the buckets for
-        the reduce-scatter and the same for the all-gather."""
+        """Bytes this rank sends per step over ``comm`` by the ring model: (n - 1) / n of the
+        buckets for the reduce-scatter and the same for the all-gather (with hybrid
+        sharding, its slices' all-reduce over ``replicate_comm`` comes on top)."""
         n = self.comm.size
         return int(2 * (n - 1) * self.shard_elements * self.dtype.itemsize)
 
@@ -227,8 +250,11 @@ class ShardedOptimizer(Checkpointable):
                                                               check_finite)
         try:
             self._issue_ready()
+            if self.replicas > 1:   # each slice summed over its replicas, all in flight
+                for shard in self._shards:
+                    shard.work = replicate_slice(self.replicate_comm, shard.work, shard.grad)
             average_reduced_slices(self.comm, [(s.work, s.grad, s.grad) for s in self._shards],
-                                   loss_scale, self.found_inf)
+                                   loss_scale, self.found_inf, ranks=self.data_parallel_size)
         finally:
             self._reset()
         if agree_on_overflow(self.comm, self.found_inf, scaler):

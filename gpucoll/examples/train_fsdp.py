@@ -3,7 +3,7 @@
 Run with::
 
     gpucoll run -n 2 -m gpucoll.examples.train_fsdp [--epochs 10] [--compute-dtype bf16]
-        [--max-norm 1.0] [--checkpoint-dir ckpt]
+        [--max-norm 1.0] [--checkpoint-dir ckpt] [--replicas R]
 
 Every rank keeps 1 / world_size of each layer's parameters, gradients and Adam or SGD state
 (``gpucoll.ddp.FullyShardedParameters``, one unit per linear layer). Forward gathers a layer
@@ -15,7 +15,9 @@ arithmetic here runs in float32 either way. Rank 0 prints the loss, the accuracy
 each rank holds against what an unsharded replica would. ``--max-norm`` clips the gradients
 to a global norm (their slices' squares summed over the ranks). ``--checkpoint-dir D`` saves
 the sharded state to ``D/step-N`` after every epoch and resumes from the newest there, at any
-number of ranks.
+number of ranks. ``--replicas R`` is hybrid sharding (HSDP): ``Mesh(comm, replicate=R,
+shard=-1)``, each layer sharded over the ranks of one shard group and each slice's gradient
+averaged across the ``R`` groups.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, List
 import numpy as np
 
 from gpucoll.ddp import DistributedSampler, FullyShardedParameters, all_reduce_metrics
+from gpucoll import Mesh
 from gpucoll.examples.checkpointing import resume, save_step
 from gpucoll.examples.train_digits import (_array_module, _init, add_common_arguments, epoch_line,
                                            init_params, load_digits_split)
@@ -95,7 +98,11 @@ def main(argv=None) -> int:
                         help="clip the gradients to this global norm")
     parser.add_argument("--checkpoint-dir", default=None, metavar="D",
                         help="save to D/step-N after every epoch; resume from the newest there")
+    parser.add_argument("--replicas", type=int, default=1, metavar="R",
+                        help="hybrid sharding: shard over size / R ranks, replicate R times")
     args = parser.parse_args(argv)
+    if args.replicas < 1:
+        parser.error(f"--replicas must be at least 1, got {args.replicas}")
     if args.max_norm is not None and not args.max_norm > 0:
         parser.error(f"--max-norm must be > 0, got {args.max_norm}")
     if args.layers < 2:
@@ -110,11 +117,16 @@ def main(argv=None) -> int:
         if args.batch_size % (comm.size * args.micro_batches):
             raise SystemExit(f"--batch-size {args.batch_size} must divide among the "
                              f"{comm.size} ranks and {args.micro_batches} micro-batch(es)")
+        if comm.size % args.replicas:
+            raise SystemExit(f"--replicas {args.replicas} must divide the {comm.size} ranks")
+        mesh = Mesh(comm, replicate=args.replicas, shard=-1) if args.replicas > 1 else None
+        shard, replicate = (mesh["shard"], mesh["replicate"]) if mesh else (comm, None)
         sizes = [64] + [args.hidden] * (args.layers - 1) + [10]
         params = init_params(sizes, seed=args.seed, xp=xp)
         settings = {"lr": args.lr} if args.optimizer == "sgd" else {"lr": args.lr / 50}
-        fsdp = FullyShardedParameters(comm, [params[i:i + 2] for i in range(0, len(params), 2)],
-                                      args.optimizer, compute_dtype=compute, **settings)
+        fsdp = FullyShardedParameters(shard, [params[i:i + 2] for i in range(0, len(params), 2)],
+                                      args.optimizer, compute_dtype=compute,
+                                      replicate_comm=replicate, **settings)
         # an unsharded replica holds parameters, gradients and the optimizer's state slots
         slots = 1 if args.optimizer == "sgd" else 2
         replica = (2 + slots) * sum(int(p.nbytes) for p in params)
@@ -123,7 +135,8 @@ def main(argv=None) -> int:
         local = args.batch_size // comm.size
         x_dev, y_dev = xp.asarray(x_train), xp.asarray(y_train)
         if comm.rank == 0:
-            print(f"# digits, fully sharded: {comm.size} ranks, layers {sizes}, optimizer "
+            print(f"# digits, fully sharded: {comm.size} ranks ({args.replicas} replica(s) of "
+                  f"{fsdp.comm.size}), layers {sizes}, optimizer "
                   f"{args.optimizer}, compute dtype {fsdp.compute_dtype.name}, arrays "
                   f"{xp.__name__}", flush=True)
         progress = SimpleNamespace(epoch=0, offset=0, step=0)
@@ -161,6 +174,8 @@ def main(argv=None) -> int:
             print(f"# bytes per rank: {held} held between steps (parameter and gradient "
                   f"slices, optimizer state) against {replica} in an unsharded replica; at "
                   f"most {max(whole, default=0)} layer(s) whole at once", flush=True)
+        if mesh is not None:
+            mesh.close()
     return 0
 
 
