@@ -145,6 +145,7 @@ def main(argv=None) -> int:
             if path is not None and comm.rank == 0:
                 print(f"# resumed from {path}: epoch {progress.epoch + 1} on {comm.size} "
                       f"rank(s)", flush=True)
+        whole: list = []   # stays empty when a resumed run has no epoch left
         for epoch in range(progress.epoch, args.epochs):
             sampler.set_epoch(epoch)
             mine = sampler.indices()
