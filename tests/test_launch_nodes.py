@@ -15,40 +15,26 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from gpucoll import launch_nodes
 from gpucoll.launch import LaunchConfig, run_job
+from test_grow import NOBODY_GROWS   # a rank dies; the other finishes without grow()
+from test_launch import ROOT, _env, _free_port, _start, _stop_launcher
 
 pytestmark = pytest.mark.timeout(90)
 
-ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "two-node-secret"
-_OUTER = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "GPUCOLL_LAUNCHER_STORE", "GPUCOLL_JOIN"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launcher(node: int, port: int, script: Path, *extra: str) -> subprocess.Popen:
-    env = {key: value for key, value in os.environ.items() if key not in _OUTER}
-    env.update(PYTHONPATH=str(ROOT), GPUCOLL_AUTH_TOKEN=TOKEN)
-    args = ["run", "--nnodes", "2", "-n", "1", "--master-addr", "127.0.0.1", "--master-port",
-            str(port), "--node-rank", str(node), *extra, str(script)]
-    return subprocess.Popen([sys.executable, "-m", "gpucoll", *args], cwd=ROOT, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _launcher(node: int, port: int, script, *extra: str) -> subprocess.Popen:
+    return _start(["run", "--nnodes", "2", "-n", "1", "--master-addr", "127.0.0.1",
+                   "--master-port", str(port), "--node-rank", str(node), *extra, str(script)],
+                  _env({"GPUCOLL_AUTH_TOKEN": TOKEN}))
 
 
 def _finish(procs, timeout: float = 40):
@@ -60,27 +46,9 @@ def _finish(procs, timeout: float = 40):
             results.append((proc.returncode, out, err))
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+            _stop_launcher(proc)
     return results
 
-
-NOBODY_GROWS = """
-import os, signal, time
-import gpucoll
-comm = gpucoll.init(backend="cpu", timeout=20)
-if comm.joined:
-    raise SystemExit("admitted, but nobody called grow()")
-if comm.rank == 1:
-    os.kill(os.getpid(), signal.SIGKILL)
-time.sleep(0.5)
-print("DONE", comm.rank, flush=True)
-"""
 
 ELASTIC = ["--elastic", "--replace", "1"]
 

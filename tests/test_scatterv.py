@@ -53,6 +53,12 @@ def full_input(seed, rank, counts, trailing, dtype, op):
     return make_input(seed, rank, (sum(counts),) + trailing, as_dtype(dtype), op)
 
 
+def reduced_rows(seed, size, rank, counts, trailing, dtype, op):
+    """What reduce_scatter_v gives ``rank``: its rows of the NumPy reduction of every input."""
+    stacked = np.stack([full_input(seed, r, counts, trailing, dtype, op) for r in range(size)])
+    return reduce_reference(stacked, op)[sum(counts[:rank]):sum(counts[:rank + 1])]
+
+
 pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}")
 
 
@@ -91,9 +97,7 @@ def test_uneven_scatters_match_numpy(pool):
         for seed, (case_id, pattern, trailing, dtype, op) in enumerate(all_cases):
             counts = counts_of(pattern, n)
             start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
-            stacked = np.stack([full_input(seed, r, counts, trailing, dtype, op)
-                                for r in range(n)])
-            want = reduce_reference(stacked, op)[start:stop]
+            want = reduced_rows(seed, n, rank, counts, trailing, dtype, op)
             (array, used), both, scattered = got[case_id]
             assert used == counts and all(type(c) is int for c in used), case_id
             for what, result in [("reduce_scatter_v", array)] + list(zip(("padded", "reduces"),
@@ -192,10 +196,7 @@ def test_the_mpi_backend_reduce_scatters_with_mpi_and_matches_numpy(mpi_pool):
     for rank, got in enumerate(results):
         for seed, (case_id, pattern, trailing, dtype, op) in enumerate(all_cases):
             counts = counts_of(pattern, n)
-            start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
-            stacked = np.stack([full_input(seed, r, counts, trailing, dtype, op)
-                                for r in range(n)])
-            want = reduce_reference(stacked, op)[start:stop]
+            want = reduced_rows(seed, n, rank, counts, trailing, dtype, op)
             reduced, used, calls = got[case_id]
             assert used == counts, case_id
             assert calls == ["reduce_scatter_v"], (case_id, calls)   # MPI's own: nothing else

@@ -47,7 +47,7 @@ from .bucketer import _array_module, _wire_dtype
 from .checkpoint import CheckpointView, Group
 from .checkpointable import Checkpointable
 from .clipping import check_max_norm, clip_grad_norm
-from .hybrid import check_replicate_comm, replicate_slice
+from .hybrid import HybridSizes, check_replicate_comm, replicate_slice
 from .layout import check_same_layout, shapes_checksum
 from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
 from .optim import SGD, make_optimizer
@@ -84,7 +84,7 @@ class _Unit:
         return [full[o:o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
 
-class FullyShardedParameters(Checkpointable):
+class FullyShardedParameters(HybridSizes, Checkpointable):
     """Parameters sharded across data-parallel ranks (ZeRO-3 / FSDP), over any communicator.
 
     Args:
@@ -207,16 +207,6 @@ class FullyShardedParameters(Checkpointable):
         unit.param = flat[rank * unit.chunk:(rank + 1) * unit.chunk].copy()
 
     # ------------------------------------------------------------------ what is held
-    @property
-    def replicas(self) -> int:
-        """Shard groups holding the same parameters (``replicate_comm.size``; 1 without)."""
-        return 1 if self.replicate_comm is None else self.replicate_comm.size
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Ranks whose gradients each step averages: ``comm.size x replicas``."""
-        return self.comm.size * self.replicas
-
     @property
     def units(self) -> int:
         return len(self._units)

@@ -17,7 +17,25 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["check_replicate_comm", "replicate_slice"]
+__all__ = ["HybridSizes", "check_replicate_comm", "replicate_slice"]
+
+
+class HybridSizes:
+    """Mixin of the sharded classes (FSDP, ZeRO-1): their sizes with a replicate
+    communicator. Needs ``comm`` (the shard group) and ``replicate_comm`` (or None)."""
+
+    comm: Any
+    replicate_comm: Any
+
+    @property
+    def replicas(self) -> int:
+        """Shard groups holding the same shards (``replicate_comm.size``; 1 without)."""
+        return 1 if self.replicate_comm is None else self.replicate_comm.size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients each step averages: ``comm.size x replicas``."""
+        return self.comm.size * self.replicas
 
 
 def check_replicate_comm(who: str, comm, replicate: Any) -> Optional[Any]:

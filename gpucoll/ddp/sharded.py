@@ -27,7 +27,7 @@ from .bucketer import MiB, _array_module, plan_buckets
 from .checkpoint import CheckpointView, Group
 from .checkpointable import Checkpointable
 from .clipping import check_max_norm, clip_grad_norm
-from .hybrid import check_replicate_comm, replicate_slice
+from .hybrid import HybridSizes, check_replicate_comm, replicate_slice
 from .layout import check_same_layout, shapes_checksum
 from .loss_scaler import agree_on_overflow, average_reduced_slices, sharded_unscale_settings
 from .optim import SGD, make_optimizer
@@ -51,7 +51,7 @@ class _Shard:
         self.work = None
 
 
-class ShardedOptimizer(Checkpointable):
+class ShardedOptimizer(HybridSizes, Checkpointable):
     """Data-parallel optimizer step with sharded state (ZeRO-1), over any communicator.
 
     Args:
@@ -132,16 +132,6 @@ class ShardedOptimizer(Checkpointable):
                            shapes_checksum(self.shapes), self.dtype.itemsize],
                           self.params[0], "every rank must pass the same parameter shapes and "
                           "bucket caps", replicate=self.replicate_comm)
-
-    @property
-    def replicas(self) -> int:
-        """Shard groups holding the same state (``replicate_comm.size``; 1 without)."""
-        return 1 if self.replicate_comm is None else self.replicate_comm.size
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Ranks whose gradients each step averages: ``comm.size x replicas``."""
-        return self.comm.size * self.replicas
 
     @property
     def buckets(self) -> List[List[int]]:
