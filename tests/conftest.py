@@ -1,5 +1,6 @@
 """Shared test set-up: GPU tests skip with a reason when CuPy or a CUDA device is missing;
-``solo`` is a world of one on the cpu backend."""
+``solo`` is a world of one on the cpu backend; the rank pools and clusters that test modules
+share (``mp_harness.share_for_session``) are closed when the session ends."""
 
 import os
 import sys
@@ -29,3 +30,11 @@ def solo(tmp_path_factory):
     url = f"file://{tmp_path_factory.mktemp('store')}/store"
     with gpucoll.init(backend="cpu", rank=0, world_size=1, url=url, timeout=10) as comm:
         yield comm
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_what_modules_share():
+    yield
+    from mp_harness import close_shared
+
+    close_shared()

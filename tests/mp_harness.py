@@ -2,13 +2,16 @@
 
 * ``RankPool(world_size, backend="cpu")`` keeps ``world_size`` rank processes alive, each with one
   communicator, and runs a module-level function ``fn(comm, *args)`` on every rank per call, so
-  a sweep of hundreds of cases costs one process start per world size.
+  a sweep of hundreds of cases costs one process start per world size. ``rank_pools(...,
+  shared=True)`` goes further: test modules that ask for the same pool share it for the
+  whole session.
 * ``run_ranks(fn, world_size, ...)`` starts fresh processes for one call; use it for tests
   that break communicators on purpose (dead ranks, timeouts, wrong tokens).
 
 Both kill every rank on the first failure or at the deadline and raise ``RankFailure``
-carrying the failing rank's traceback; a rank that hangs dumps its threads' stacks
-(faulthandler) to stderr before it is killed.
+carrying the failing rank's traceback; a rank that hangs in a task dumps its threads' stacks
+(faulthandler) to stderr before it is killed. An idle rank waits for its next task for as
+long as the test process lives, and ends within a second or so of it.
 """
 
 from __future__ import annotations
@@ -48,8 +51,15 @@ def _worker(rank: int, size: int, url: Optional[str], env: Dict[str, str], tasks
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
         return
+    faulthandler.cancel_dump_traceback_later()
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process is gone: do not outlive it
+                break
+            continue
         if task is None:
             break
         fn, args = task
@@ -59,7 +69,7 @@ def _worker(rank: int, size: int, url: Optional[str], env: Dict[str, str], tasks
             results.put(("ok", rank, value))
         except BaseException:
             results.put(("error", rank, traceback.format_exc()))
-    faulthandler.cancel_dump_traceback_later()
+        faulthandler.cancel_dump_traceback_later()  # idle between tasks is no hang
     if comm is not None:
         try:
             comm.close(timeout=10)
@@ -130,7 +140,8 @@ class RankPool:
             if status == "error":
                 self.kill()
                 raise RankFailure(f"rank {rank} failed:\n{value}")
-            values[rank] = value
+            if rank in expect:  # a rank not waited for may still answer first
+                values[rank] = value
         return [values[r] for r in expect]
 
     def run(self, fn: Callable, *args, timeout: float = 60.0) -> List[Any]:
@@ -198,19 +209,72 @@ def _init_then(rank: int, size: int, url: str, backend: str, fn: Callable, *args
             pass
 
 
-def rank_pools(sizes, ids=lambda n: f"{n}ranks", **pool_args):
+def rank_pools(sizes, ids=lambda n: f"{n}ranks", shared: bool = False, **pool_args):
     """A module-scoped ``pool`` fixture: a :class:`RankPool` for each world size in ``sizes``
     (``pool_args`` go to it), closed when the module's tests are done. Use as
-    ``pool = rank_pools([2, 3])`` at module level."""
+    ``pool = rank_pools([2, 3])`` at module level.
+
+    With ``shared=True`` the pool comes from :func:`shared_pool` instead: every module that
+    asks for the same world size and ``pool_args`` gets the same live ranks, which stay up
+    until the session ends (conftest.py closes them) or until more than
+    ``SHARED_RANKS_LIMIT`` ranks would be up, so each costs about one start per session.
+    Only for modules whose rank functions leave the communicator as they found it (groups
+    closed, nothing aborted)."""
     import pytest
 
     @pytest.fixture(scope="module", params=list(sizes), ids=ids)
     def pool(request):
+        if shared:
+            yield shared_pool(request.param, **pool_args)
+            return
         ranks = RankPool(request.param, **pool_args)
         yield ranks
         ranks.close()
 
     return pool
+
+
+_SHARED: Dict[str, Any] = {}  # least recently used first
+SHARED_RANKS_LIMIT = 24  # ranks kept up between modules at most (memory, /dev/shm segments)
+
+
+def share_for_session(key: str, world_size: int, start: Callable[[], Any],
+                      alive: Callable[[Any], bool]) -> Any:
+    """The session's object under ``key`` (a rank pool, a cluster: anything with ``close()``
+    and ``world_size``): ``start()`` on first use, and again when ``alive(it)`` says a failure
+    killed it. The least recently used ones are closed first to keep at most
+    ``SHARED_RANKS_LIMIT`` ranks up."""
+    found = _SHARED.pop(key, None)
+    if found is not None and not alive(found):
+        found.close()
+        found = None
+    if found is None:
+        while _SHARED and (sum(item.world_size for item in _SHARED.values()) + world_size
+                           > SHARED_RANKS_LIMIT):
+            _SHARED.pop(next(iter(_SHARED))).close()
+        found = start()
+    _SHARED[key] = found
+    return found
+
+
+def close_shared() -> None:
+    """Close everything :func:`share_for_session` started (at the end of the session)."""
+    while _SHARED:
+        _SHARED.popitem()[1].close()
+
+
+def pool_alive(pool: RankPool) -> bool:
+    """Whether every rank of ``pool`` is up and no failure killed it."""
+    return pool.alive and all(proc.is_alive() for proc in pool.procs)
+
+
+def shared_pool(world_size: int, **pool_args) -> RankPool:
+    """The session's :class:`RankPool` of ``world_size`` ranks made with ``pool_args``."""
+    key = repr(("pool", world_size, sorted(
+        (name, sorted(value.items()) if isinstance(value, dict) else value)
+        for name, value in pool_args.items())))
+    return share_for_session(key, world_size, lambda: RankPool(world_size, **pool_args),
+                             pool_alive)
 
 
 def error_text(call: Callable, kinds=(TypeError, ValueError)) -> str:

@@ -65,7 +65,7 @@ def expected(rank, matrix, trailing, dtype, seed):
     return np.concatenate(parts), [int(c) for c in matrix[:, rank]]
 
 
-pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}")
+pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}", shared=True)
 
 
 def rank_exchanges(comm, all_cases):

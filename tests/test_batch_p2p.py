@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clusters import CLUSTERS, cluster_pools
+from clusters import CLUSTERS
 from mp_harness import error_text, run_ranks
 from reference import assert_equal_result, make_input
+from shared_clusters import shared_cluster_pools
 from test_sendrecv import (check_mismatch_named, mismatched_pair, timed_out_then_aborted,
                            unanswered_peer)
 
@@ -29,7 +30,7 @@ COUNTS = (0, 1, 13, LARGE)
 GRID = {"east": (1, 0, (3, 5), "float64", 1), "west": (-1, 0, (7,), "int32", 2),
         "south": (0, 1, (2, 2), "complex64", 3), "north": (0, -1, (11,), "bool", 4)}
 
-pool = cluster_pools(SOCKET_CLUSTERS)
+pool = shared_cluster_pools(SOCKET_CLUSTERS)
 
 
 def _host_only(pool):

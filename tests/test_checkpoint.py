@@ -17,7 +17,7 @@ from gpucoll.ddp import (CheckpointError, FullyShardedParameters, ShardedOptimiz
 from gpucoll.ddp.checkpoint_files import METADATA
 from gpucoll.examples.train_digits import init_params, loss_and_grads
 from gpucoll.examples.train_fsdp import fsdp_loss_and_grads
-from mp_harness import RankPool
+from mp_harness import RankPool, shared_pool
 from reference_training import SETTINGS, ReferenceOptimizer, rank_batch, training_data
 
 pytestmark = pytest.mark.timeout(180)
@@ -32,10 +32,9 @@ CAPS = {"zero": dict(first_bucket_cap_bytes=64, bucket_cap_bytes=512),   # sever
 
 @pytest.fixture(scope="module")
 def pools():
-    made = {n: RankPool(n) for n in (2, 3)}
-    yield made
-    for pool in made.values():
-        pool.close()
+    """Pools of 2 and 3 ranks, shared with the other modules (the rank functions here leave
+    the communicator as they found it)."""
+    return {n: shared_pool(n) for n in (2, 3)}
 
 
 def _data():

@@ -20,7 +20,7 @@ GLOBAL_BATCH = 12
 STEPS = 4
 MAX_NORM = 0.3          # below every step's norm here: clipping acts at each step
 
-pool = rank_pools([2, 3])
+pool = rank_pools([2, 3], shared=True)
 
 
 def _data():

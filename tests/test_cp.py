@@ -24,7 +24,7 @@ _ONE_BLAS = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 BATCH, SEQ, HEADS, DIM = 2, 24, 12, 5     # SEQ splits into 2p chunks and HEADS into p, p <= 4
 LAYERS = {"ring": RingAttention, "ulysses": UlyssesAttention}
 
-pool = rank_pools([2, 3, 4], env=_ONE_BLAS)
+pool = rank_pools([2, 3, 4], env=_ONE_BLAS, shared=True)
 
 
 def _inputs(dtype=np.float64, seq=SEQ, seed=5):

@@ -20,7 +20,7 @@ GLOBAL_BATCH = 12              # divisible by 1, 2, 3, 4
 STEPS, LR = 4, 0.1
 
 
-pool = rank_pools([2, 3])
+pool = rank_pools([2, 3], shared=True)
 
 
 def _data(micro):

@@ -78,7 +78,7 @@ def reference(size, case):
     return ys, dxs, dexperts, dgate, load
 
 
-pool = rank_pools([1, 2, 3], ids=lambda n: f"world{n}")
+pool = rank_pools([1, 2, 3], ids=lambda n: f"world{n}", shared=True)
 
 
 def rank_moe(comm, case):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from mp_harness import RankPool, run_ranks
+from mp_harness import run_ranks, shared_pool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,11 +60,7 @@ def rank_usage_errors(comm):
 
 
 def test_usage_errors_are_eager_and_lose_nothing():
-    pool = RankPool(2)
-    try:
-        results = pool.run(rank_usage_errors)
-    finally:
-        pool.close()
+    results = shared_pool(2).run(rank_usage_errors)  # the errors leave the communicator usable
     for rank, (errors, after) in enumerate(results):
         assert after == [3.0, 3.0, 3.0]
         for name, error in errors.items():
@@ -223,7 +219,7 @@ def rank_timeout(comm):
     from gpucoll import CommTimeoutError
 
     if comm.rank == 1:
-        time.sleep(3)  # never calls the collective in time
+        time.sleep(30)  # never calls the collective in time (ended once rank 0 answered)
         return None
     start = time.monotonic()
     try:
@@ -234,7 +230,7 @@ def rank_timeout(comm):
 
 
 def test_timeout_names_op_seq_and_peer():
-    results = run_ranks(rank_timeout, 2, env={"GPUCOLL_TIMEOUT": "1"}, timeout=30)
+    results = run_ranks(rank_timeout, 2, env={"GPUCOLL_TIMEOUT": "1"}, timeout=30, ranks=[0])
     message, peer, op, seq, elapsed = results[0]
     assert (peer, op, seq) == (1, "all_reduce", 1)
     assert "rank 0: all_reduce #1 timed out waiting for peer(s) [1]" in message

@@ -24,7 +24,7 @@ SIZES = [13, 17, 11, 7]        # three linear layers, 520 floats: no unit divide
 GLOBAL_BATCH = 12
 STEPS = 4
 
-pool = rank_pools([2, 3])
+pool = rank_pools([2, 3], shared=True)
 
 
 def _units(params):

@@ -47,7 +47,7 @@ def expected(pattern, size, trailing, dtype, seed):
     return np.concatenate(parts), [len(p) for p in parts]
 
 
-pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}")
+pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}", shared=True)
 
 
 def rank_gathers(comm, all_cases):

@@ -136,7 +136,7 @@ def test_init_with_gpucoll_join_times_out_when_nobody_grows(monkeypatch):
                      set_default=False)
 
 
-pool = rank_pools([1, 2, 3], ids=lambda n: f"world{n}")
+pool = rank_pools([1, 2, 3], ids=lambda n: f"world{n}", shared=True)
 
 
 def rank_grow_alone(comm):

@@ -12,11 +12,12 @@ import time
 import numpy as np
 import pytest
 
-from clusters import CLUSTERS, cluster_pools
+from clusters import CLUSTERS
+from shared_clusters import shared_cluster_pools
 
 pytestmark = pytest.mark.timeout(300)
 
-pool = cluster_pools([c for c in CLUSTERS if c in (
+pool = shared_cluster_pools([c for c in CLUSTERS if c in (
     ("cpu-unix", 1), ("cpu-unix", 3), ("cpu-tcp", 2), ("nccl-emulated", 1),
     ("nccl-emulated", 3), ("nccl-gpu", 1), ("mpi", 3))])
 

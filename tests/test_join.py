@@ -18,7 +18,7 @@ BATCH = 6
 LR, MOMENTUM = 0.1, 0.9
 CAPS = dict(first_bucket_cap_bytes=256, bucket_cap_bytes=1024)    # several buckets
 
-pool = rank_pools([2, 3])
+pool = rank_pools([2, 3], shared=True)
 
 
 def batches_of(rank):

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(120)
 SIZES = [10, 9, 4]
 
 
-pool = rank_pools([2, 3])
+pool = rank_pools([2, 3], shared=True)
 
 
 def test_backoff_growth_and_bounds():

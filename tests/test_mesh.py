@@ -9,14 +9,31 @@ split.
 from __future__ import annotations
 
 import itertools
+from typing import Dict
 
 import numpy as np
 import pytest
 
 import gpucoll
-from mp_harness import run_ranks
+from mp_harness import RankPool
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """``pools(size)``: a :class:`RankPool` of ``size`` ranks, started on first use and shared
+    by the module's tests (the meshes close every group they make)."""
+    started: Dict[int, RankPool] = {}
+
+    def pool_of(size: int) -> RankPool:
+        if size not in started:
+            started[size] = RankPool(size, timeout=90)
+        return started[size]
+
+    yield pool_of
+    for pool in started.values():
+        pool.close()
 
 
 class NoSplitComm:
@@ -59,8 +76,8 @@ def rank_mesh(comm, shape, extra):
     (6, {"dp": -1, "tp": 3}, [("tp", "dp")]),
     (4, {"pp": 1, "dp": 4, "tp": 1}, [("pp", "tp")]),
 ], ids=["2x2x2", "inferred-2x3", "1x4x1"])
-def test_groups_match_the_row_major_layout(size, shape, extra):
-    results = run_ranks(rank_mesh, size, shape, extra, timeout=90)
+def test_groups_match_the_row_major_layout(pools, size, shape, extra):
+    results = pools(size).run(rank_mesh, shape, extra, timeout=90)
     final = dict(shape)
     if -1 in final.values():
         inferred = [n for n, e in final.items() if e == -1][0]
@@ -90,8 +107,8 @@ def rank_nested(comm):
     return result
 
 
-def test_a_mesh_over_a_group():
-    results = run_ranks(rank_nested, 8, timeout=90)
+def test_a_mesh_over_a_group(pools):
+    results = pools(8).run(rank_nested, timeout=90)
     for rank, (local, world) in enumerate(results):
         members = [1, 3, 5, 7] if rank % 2 else [0, 2, 4, 6]
         me = members.index(rank)

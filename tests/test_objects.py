@@ -172,7 +172,7 @@ def test_decode_refuses_corrupt_data_and_never_unpickles():
 
 
 # ---------------------------------------------------------------- collectives, real processes
-pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}")
+pool = rank_pools([1, 2, 3, 4], ids=lambda n: f"world{n}", shared=True)
 
 
 def rank_object_collectives(comm):

@@ -14,7 +14,7 @@ from gpucoll.examples.train_digits import init_params, loss_and_grads
 from gpucoll.types import wire_code
 from gpucoll.pp import (Linear, Pipeline, ReLU, Stage, bubble_fraction, mlp_layers,
                         peak_in_flight, pipeline_groups, schedule_actions)
-from mp_harness import rank_pools, run_ranks
+from mp_harness import rank_pools, run_ranks, shared_pool
 from test_nccl_gpu import MULTI_RANK_ENV, on_nccl, two_ranks
 
 # ranks share the cores: one BLAS thread each (else oversubscription slows steps 100x)
@@ -130,7 +130,7 @@ def pipelined_steps(comm, schedule, micro_batches, recompute):
     return results, evaluated, stage.stored
 
 
-pool = rank_pools([2, 3], ids=lambda n: f"{n}stages", env=_ONE_BLAS)
+pool = rank_pools([2, 3], ids=lambda n: f"{n}stages", env=_ONE_BLAS, shared=True)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -189,7 +189,7 @@ def single_slot_layers(comm):
 
 
 def test_single_slot_layers_need_and_work_with_recompute():
-    per_rank = run_ranks(single_slot_layers, 2, timeout=60, env=_ONE_BLAS)
+    per_rank = shared_pool(2, env=_ONE_BLAS).run(single_slot_layers, timeout=60)
     loss_ref, _, grads_ref = _reference(0)
     assert "layer(s) 0 (ColumnParallelLinear), 2 (ColumnParallelLinear) keep only the last " \
            "input" in per_rank[0][0]

@@ -22,7 +22,7 @@ BATCH = 12                 # divisible by 1, 2 and 3 workers
 STEPS, LR = 4, 0.1
 
 
-pool = rank_pools([3, 4])
+pool = rank_pools([3, 4], shared=True)
 
 
 def _data():

@@ -13,9 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clusters import CLUSTERS, cluster_pools
+from clusters import CLUSTERS
 from mp_harness import error_text, run_ranks
 from reference import assert_equal_result, make_input
+from shared_clusters import shared_cluster_pools
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +26,7 @@ LARGE = 1_000_003  # float64: 8 MB each way, sent by every rank at once
 COUNTS = (0, 1, 13, LARGE)
 
 
-pool = cluster_pools(SOCKET_CLUSTERS)
+pool = shared_cluster_pools(SOCKET_CLUSTERS)
 
 
 def _host_only(pool):

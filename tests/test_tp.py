@@ -19,7 +19,7 @@ IN, HIDDEN, OUT = 7, 12, 5     # hidden divides by 2, 3, 4; IN and OUT are prime
 ROWS = 12
 
 
-pool = rank_pools([2, 3, 4])
+pool = rank_pools([2, 3, 4], shared=True)
 
 
 class Counting:

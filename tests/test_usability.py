@@ -83,7 +83,7 @@ def test_work_and_memory_store_timeouts_say_how_to_change_them():
 
 def rank_timeouts(comm):
     if comm.rank == 1:
-        time.sleep(2.5)  # never joins rank 0's collectives in time
+        time.sleep(30)  # never joins rank 0's collectives in time (ended once rank 0 answered)
         return None
     out = []
     try:
@@ -94,7 +94,7 @@ def rank_timeouts(comm):
 
 
 def test_collective_timeout_says_the_limit_and_how_to_set_it():
-    results = run_ranks(rank_timeouts, 2, env={"GPUCOLL_TIMEOUT": "1"}, timeout=60)
+    results = run_ranks(rank_timeouts, 2, env={"GPUCOLL_TIMEOUT": "1"}, timeout=60, ranks=[0])
     [(message, limit)] = results[0]
     assert message.startswith("rank 0: all_reduce #1 timed out waiting for peer(s) [1]")
     assert message.endswith(f"(the limit is 1 s; {HINT})") and limit == 1.0
@@ -102,7 +102,7 @@ def test_collective_timeout_says_the_limit_and_how_to_set_it():
 
 def rank_barrier_timeout(comm):
     if comm.rank == 1:
-        time.sleep(2)
+        time.sleep(30)  # ended once rank 0 answered
         return None
     try:
         comm.barrier(timeout=0.5)
@@ -111,20 +111,31 @@ def rank_barrier_timeout(comm):
 
 
 def test_barrier_timeout_names_its_own_limit():
-    message, limit = run_ranks(rank_barrier_timeout, 2, timeout=60)[0]
+    message, limit = run_ranks(rank_barrier_timeout, 2, timeout=60, ranks=[0])[0]
     assert message.endswith(f"(the limit is 0.5 s; {HINT})") and limit == 0.5
 
 
-def rank_late_for_barrier(comm, limits, late_by):
-    if comm.rank == 2:
-        time.sleep(late_by)
+def _wait_for_files(folder: str, names, limit: float) -> None:
+    """Until every one of ``names`` exists in ``folder``, for at most ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while (time.monotonic() < deadline
+           and not all(os.path.exists(os.path.join(folder, name)) for name in names)):
+        time.sleep(0.02)
+
+
+def rank_late_for_barrier(comm, limits, folder):
+    timed_out = [f"timed-out-{rank}" for rank in limits]
+    if comm.rank == 2:  # late: away until every other rank has timed out
+        _wait_for_files(folder, timed_out, 30)
         return None
     try:
         comm.barrier(timeout=limits[comm.rank])
     except CommTimeoutError as exc:
-        # stay up a while: a rank that timed out first and exited would close its sockets,
-        # and a rank whose clock started later (load) would see that loss, not its own timeout
-        time.sleep(late_by)
+        # stay up until every on-time rank has timed out: a rank that timed out first and
+        # exited would close its sockets, and a rank whose clock started later (load) would
+        # see that loss, not its own timeout
+        open(os.path.join(folder, f"timed-out-{comm.rank}"), "w").close()
+        _wait_for_files(folder, timed_out, 30)
         return str(exc), exc.peer
     return "no timeout", None
 
@@ -133,16 +144,16 @@ def rank_late_for_barrier(comm, limits, late_by):
 # A rank that times out aborts, and rank 1 would see rank 3's abort (a lost link) instead of
 # its own timeout whenever rank 3's clock started first: rank 3 gets 3 s against rank 1's 1 s,
 # so only a start skew of over 2 s could change which fault rank 1 sees.
-BARRIER_LIMITS = {"socket": ({0: 1, 1: 1, 3: 3}, 5), "auto": ({0: 1, 1: 1, 3: 1}, 3)}
+BARRIER_LIMITS = {"socket": {0: 1, 1: 1, 3: 3}, "auto": {0: 1, 1: 1, 3: 1}}
 
 
 @pytest.mark.parametrize("transport", ["socket", "auto"])
-def test_barrier_timeout_names_the_late_rank_not_the_one_it_waited_on(transport):
+def test_barrier_timeout_names_the_late_rank_not_the_one_it_waited_on(transport, tmp_path):
     """4 ranks, rank 2 late. Over sockets the dissemination barrier has rank 1 wait on rank 3
     (which waits on rank 2), over shared memory every rank sees who did not arrive; either
     way every on-time rank names rank 2, and only rank 2."""
-    limits, late_by = BARRIER_LIMITS[transport]
-    results = run_ranks(rank_late_for_barrier, 4, limits, late_by, timeout=60,
+    limits = BARRIER_LIMITS[transport]
+    results = run_ranks(rank_late_for_barrier, 4, limits, str(tmp_path), timeout=60,
                         env={"GPUCOLL_TRANSPORT": transport})
     for rank in (0, 1, 3):
         message, peer = results[rank]

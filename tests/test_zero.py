@@ -23,7 +23,7 @@ STEPS = 4
 CAPS = dict(first_bucket_cap_bytes=64, bucket_cap_bytes=512)   # several buckets
 
 
-pool = rank_pools([2, 3])
+pool = rank_pools([2, 3], shared=True)
 
 
 def _data():
