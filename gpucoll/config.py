@@ -154,6 +154,11 @@ _GPUCOLL = [
             "Seconds between the SIGTERM and the SIGKILL a rank gets when its launcher died "
             "(time for a SIGTERM handler to save a checkpoint); under `gpucoll run` the same "
             "for each rank's process group (the launcher's orphan reaper)."),
+    Setting("GPUCOLL_NODE_SILENCE", float, 10.0,
+            "`gpucoll run --nnodes N`: seconds without word from another node's launcher (a "
+            "lost host, a cut link) after which node 0's launcher, its own ranks done, stops "
+            "serving the store for that node; 0 closes the store as soon as this node's ranks "
+            "are done."),
     Setting("GPUCOLL_TRACE_BUFFER", int, 256,
             "Operations each communicator remembers for `comm.trace()` and the failure dumps "
             "(the flight recorder), read at its first operation; 0 records nothing."),

@@ -63,7 +63,6 @@ from .errors import StoreError
 from .launch_config import DEFAULT_MULTI_NODE_PORT, KILL_GRACE, LaunchConfig  # noqa: F401
 from .launch_config import Plan as _Plan
 from .launch_config import plan_launch as _plan
-from . import launch_nodes
 from .launch_nodes import NodesOfJob
 from .launch_program import THREAD_VARIABLES, limits_threads, thread_notice
 from .launch_reaper import ReaperLink
@@ -410,11 +409,15 @@ class _Job:
         self.nodes.close()
         if self.cfg.node_rank != 0 or outcome != "ok":
             return
-        silent, running = self.nodes.await_other_nodes(deadline, lambda: bool(trap.received),
-                                                       self.say)
+        from . import config
+
+        silence = max(config.get("GPUCOLL_NODE_SILENCE"), 0.0)
+        silent, running = self.nodes.await_other_nodes(silence, deadline,
+                                                       lambda: bool(trap.received), self.say)
         if silent:
             self.say(f"no word from the launcher(s) of node(s) {_ranks_text(silent)} for "
-                     f"{launch_nodes.BEAT_LOST:g} s (host lost?): closed the store without them")
+                     f"{silence:g} s (host lost? GPUCOLL_NODE_SILENCE): closed the store "
+                     f"without them")
         if running:
             self.say(f"closed the store while node(s) {_ranks_text(running)} still ran")
 

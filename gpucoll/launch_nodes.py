@@ -9,7 +9,8 @@ nobody could admit any more was stopped only on one node. Now:
 - Node 0's launcher, once its ranks are done, serves the store on until every other node's
   launcher says it is done (``exited``) or has gone silent: each of them adds 1 to its
   ``beat`` counter every :data:`BEAT_INTERVAL` seconds, and one that has not for
-  :data:`BEAT_LOST` seconds (its host lost, its launcher killed) is not waited for.
+  ``GPUCOLL_NODE_SILENCE`` seconds (default 10: its host lost, its launcher killed, the link
+  cut) is not waited for.
 - A node on which no member rank runs any more, only replacements waiting to be admitted (or
   nothing), says so (``idle``, with the replacements' join ids). When every node is idle and
   none of the listed replacements was admitted, no member is left anywhere to call
@@ -32,10 +33,9 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, Set, Tuple
 
-__all__ = ["BEAT_INTERVAL", "BEAT_LOST", "NodesOfJob"]
+__all__ = ["BEAT_INTERVAL", "NodesOfJob"]
 
 BEAT_INTERVAL = 1.0   # seconds between a node launcher's beats
-BEAT_LOST = 10.0      # seconds without a beat after which node 0 stops waiting for a node
 CALL_BUDGET = 2.0     # seconds one best-effort store call may take
 SAY_WAITING_AFTER = 2.0   # seconds node 0 waits for the others before it says so
 _PREFIX = "gpucoll/launch"
@@ -150,10 +150,11 @@ class NodesOfJob:
 
         return bool(self._call(tell)[0])
 
-    def await_other_nodes(self, deadline: Optional[float], interrupted: Callable[[], bool],
+    def await_other_nodes(self, silence: float, deadline: Optional[float],
+                          interrupted: Callable[[], bool],
                           say: Callable[[str], None]) -> Tuple[List[int], List[int]]:
         """Node 0: serve on until every other node's launcher is done or silent for
-        :data:`BEAT_LOST` seconds, the ``deadline`` (monotonic) passes or ``interrupted()``;
+        ``silence`` seconds, the ``deadline`` (monotonic) passes or ``interrupted()``;
         ``say`` tells once when that takes more than :data:`SAY_WAITING_AFTER` seconds.
 
         Returns:
@@ -191,7 +192,7 @@ class NodesOfJob:
                 count, since = beats[node]
                 if state is not None and state != count:
                     beats[node] = (state, now)
-                elif now - since >= BEAT_LOST:
+                elif now - since >= silence:
                     pending.discard(node)
                     silent.append(node)
             if pending:

@@ -52,7 +52,9 @@ class HostJob:
         for k in range(count):
             env = dict(os.environ)
             env.update({"PYTHONPATH": str(ROOT), "GPUCOLL_AUTH_TOKEN": tokens[k],
-                        "PYTHONUNBUFFERED": "1"})
+                        "PYTHONUNBUFFERED": "1",
+                        # a cut link silences a node: node 0's launcher waits this long for it
+                        "GPUCOLL_NODE_SILENCE": "2"})
             env.pop("GPUCOLL_HOST", None)
             argv = [sys.executable, "-m", "gpucoll", "run", "-n", str(nproc), "--nnodes", str(count),
                     "--node-rank", str(k), "--master-addr", hosts.addrs[0], "--master-port",

@@ -7,7 +7,7 @@
 - A replacement on node 1 that node 0's rank admits is not stopped while that member runs.
 - Node 0's launcher serves the store until node 1's ranks are done with it.
 - Node 0 does not wait for a node whose launcher went silent (SIGKILLed) longer than
-  BEAT_LOST (shortened here).
+  GPUCOLL_NODE_SILENCE (shortened here).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import time
 
 import pytest
 
-from gpucoll import launch_nodes
 from gpucoll.launch import LaunchConfig, run_job
 from test_grow import NOBODY_GROWS   # a rank dies; the other finishes without grow()
 from test_launch import ROOT, _env, _free_port, _start, _stop_launcher
@@ -146,7 +145,7 @@ if os.environ["RANK"] == "1":
 
 
 def test_node_zero_stops_waiting_for_a_node_gone_silent(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch_nodes, "BEAT_LOST", 2.0)
+    monkeypatch.setenv("GPUCOLL_NODE_SILENCE", "2")
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     port = _free_port()
@@ -167,7 +166,8 @@ def test_node_zero_stops_waiting_for_a_node_gone_silent(tmp_path, monkeypatch):
     finally:
         _finish([node1], timeout=15)
     assert code == 0, err.getvalue()
-    assert ("no word from the launcher(s) of node(s) 1 for 2 s (host lost?): closed the store "
-            "without them") in err.getvalue(), err.getvalue()
+    assert ("no word from the launcher(s) of node(s) 1 for 2 s (host lost? "
+            "GPUCOLL_NODE_SILENCE): closed the store without them") in err.getvalue(), \
+        err.getvalue()
     # node 1 beat until it was killed (2.5 s after node 0 started), then 2 s of silence
     assert 2.5 <= took < 15, took
