@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clusters import cluster_pools
+from clusters import CLUSTERS
 from mp_harness import RankPool
 from reference import (ALL_DTYPES, OPS, assert_equal_result, identity_reference, make_input,
                        op_valid, prefix_reference, reduce_reference, scan_input)
+from shared_clusters import shared_cluster_pools
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +26,7 @@ COUNTS = [0, 1, 13, 100_003]
 BIG = 100_003
 
 
-pool = cluster_pools()
+pool = shared_cluster_pools(CLUSTERS)
 
 
 def _host_only(pool):
