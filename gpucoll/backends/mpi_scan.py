@@ -21,6 +21,9 @@ from .mpi_types import byte_spec, mpi, native_reduction
 
 __all__ = ["MPIPrefixReductions"]
 
+_NATIVE: dict = {}   # (op, dtype): native_reduction's answer (hot path)
+_UNKNOWN = object()
+
 
 class MPIPrefixReductions:
     """Mixin of :class:`~gpucoll.backends.mpi.MPICommunicator` (uses its ``_stage``,
@@ -28,13 +31,18 @@ class MPIPrefixReductions:
     ``_blocking``)."""
 
     def _scan(self, x: Any, op: ReduceOp, out: Any, exclusive: bool, stream: Any = None):
+        if self._short(False, x, out):   # the hot path: NumPy arrays, GPUCOLL_DEBUG off
+            key = (op, x.dtype)
+            found = _NATIVE.get(key, _UNKNOWN)
+            if found is _UNKNOWN:
+                found = _NATIVE[key] = native_reduction(op, x.dtype)
+            if found is not None:
+                return self._host_scan(x, op, out, exclusive, *found)
         found = native_reduction(op, x.dtype) if isinstance(x, np.ndarray) and (
             out is None or isinstance(out, np.ndarray)) else None
         if found is None:
             return super()._scan(x, op, out, exclusive, stream)
         datatype, mpi_op = found
-        if self._short(False, x, out):
-            return self._host_scan(x, op, out, exclusive, datatype, mpi_op)
         src = self._stage(x, stream)
         dst = self._stage(out, stream) if out is not None else src
         send = mpi().IN_PLACE if dst is src else byte_spec(src.host, datatype)
