@@ -14,9 +14,10 @@ uneven blocks, the sharding of an FSDP parameter whose rows do not divide by the
   :mod:`gpucoll.backends.mpi_uneven`). Otherwise: padded to the longest count
   and reduced by one ``reduce_scatter`` (``size * max(counts)`` rows per rank into the
   algorithm instead of ``sum(counts)``); or, when padding would at least add half again and
-  the rows are at least :data:`~gpucoll.composite.BROADCAST_MIN_BYTES`, one ``reduce`` per
-  rank with rows, straight into its result (no padding, ``size`` collectives), as
-  ``all_gather_v`` chooses between padding and broadcasts.
+  the rows are at least :data:`~gpucoll.composite.BROADCAST_MIN_BYTES` (4 MiB), or triple
+  them from :data:`REDUCES_MIN_BYTES` (1 MiB), one ``reduce`` per rank with rows, straight into
+  its result (no padding, ``size`` collectives), as ``all_gather_v`` chooses between padding
+  and broadcasts.
 
 Both take ``counts=None`` as an even split (``np.array_split``: the first ``n % size`` ranks
 get one row more). Results live where the caller's arrays do (NumPy, or the backend's device
@@ -36,6 +37,8 @@ from .types import ReduceOp, check_op_dtype, dtype_from_code, wire_code
 __all__ = ["UnevenScatters", "even_counts"]
 
 _MAX_TRAILING_DIMS = 8  # trailing dimensions scatter_v's header carries
+REDUCES_MIN_BYTES = 1 << 20  # from here, padding of REDUCES_MIN_PADDING or more loses to reduces
+REDUCES_MIN_PADDING = 3.0    # (bench/bench_reduce_scatterv.py, bench/RESULTS.md)
 _OK, _REFUSED = 0, 1    # the header's first entry
 
 
@@ -53,6 +56,14 @@ def _dtype_of(code: int) -> np.dtype:
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def _reduces_win(total_bytes: int, padding: float) -> bool:
+    """Whether one reduce per rank beats one padded reduce_scatter, for ``total_bytes`` of rows
+    padded ``padding`` times (``size * max(counts) / sum(counts)``): measured on the CPU
+    backend, padding of half again loses from 4 MiB, and of 3 times from 1 MiB."""
+    return (total_bytes >= BROADCAST_MIN_BYTES and padding >= BROADCAST_MIN_PADDING) or \
+        (total_bytes >= REDUCES_MIN_BYTES and padding >= REDUCES_MIN_PADDING)
 
 
 def _row_bytes(view: Any) -> int:
@@ -213,8 +224,7 @@ class UnevenScatters:
             result = exact
         elif longest == 0:
             result = self._empty_as(view, (0,) + tuple(view.shape[1:]), view.dtype)
-        elif total * _row_bytes(view) >= BROADCAST_MIN_BYTES and \
-                self.size * longest >= BROADCAST_MIN_PADDING * total:
+        elif _reduces_win(total * _row_bytes(view), self.size * longest / total):
             result = self._reduce_scatter_v_reduces(view, counts, op)
         else:
             result = self._reduce_scatter_v_padded(view, counts, op)
