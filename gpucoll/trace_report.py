@@ -54,7 +54,7 @@ _POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "sendrecv", "batc
                              "send_object", "recv_object"})
 _SENDS, _RECEIVES = frozenset({"send", "isend"}), frozenset({"recv", "irecv"})
 # collectives whose array differs between ranks by design: compared by op and root only
-_UNEVEN = frozenset({"all_gather_v", "gather_v", "all_to_all_v", "scatter"})
+_UNEVEN = frozenset({"all_gather_v", "gather_v", "all_to_all_v", "scatter", "scatter_v"})
 _STATE_CHARS = 120  # of a state, in the text report
 _TIMED_OUT = "failed: CommTimeoutError"
 

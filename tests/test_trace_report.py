@@ -285,7 +285,10 @@ def test_uneven_gathers_and_objects_may_differ_in_size(tmp_path):
     for rank in range(3):
         records = [_record(1, "all_gather_v", bytes=8 * (rank + 1), shape=[rank + 1]),
                    _record(2, "broadcast_object", bytes=None, dtype=None, shape=None, root=0),
-                   _record(3, "scatter", shape=[3, 4] if rank == 0 else [4], root=0)]
+                   _record(3, "scatter", shape=[3, 4] if rank == 0 else [4], root=0),
+                   _record(4, "scatter_v", bytes=24 if rank == 0 else None,
+                           dtype="float64" if rank == 0 else None,
+                           shape=[3] if rank == 0 else None, root=0)]
         _write(tmp_path, rank, records, size=3)
     assert trace_report.analyze(str(tmp_path))["findings"] == []
 
