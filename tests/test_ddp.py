@@ -305,3 +305,32 @@ def test_example_trains_on_digits():
     epochs = [line for line in out.stdout.splitlines() if "] epoch" in line]
     assert len(epochs) == 3 and all(line.startswith("[rank 0]") for line in epochs)
     assert float(epochs[-1].split("test acc")[1].split()[0]) > 0.9
+
+
+@pytest.mark.parametrize("where", ["shipped file", "load_digits"])
+def test_the_examples_read_the_same_digits_as_scikit_learn(monkeypatch, tmp_path, where):
+    """The examples read scikit-learn's digits file without importing scikit-learn; where the
+    file is not in the package, ``load_digits()`` reads it: the same numbers either way."""
+    sklearn_datasets = pytest.importorskip("sklearn.datasets",
+                                           reason="the digits example needs scikit-learn")
+    import importlib.util
+    import types
+
+    from gpucoll.examples import train_digits
+    if where == "load_digits":        # a package directory without the data file
+        empty = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: empty)
+    x, y = train_digits._digits_from_scikit_learn()
+    digits = sklearn_datasets.load_digits()
+    np.testing.assert_array_equal(x, digits.data)
+    np.testing.assert_array_equal(y, digits.target)
+    assert y.dtype == np.int64
+
+
+def test_the_examples_say_what_to_install_without_scikit_learn(monkeypatch):
+    import importlib.util
+
+    from gpucoll.examples import train_digits
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match=r"needs scikit-learn .* or --data FILE.npz"):
+        train_digits.load_digits_split(0)
