@@ -222,3 +222,42 @@ def test_joining_is_refused_by_a_backend_without_gpucolls_store(monkeypatch):
             gpucoll.init(backend="toy_own_rendezvous", rank=0, world_size=1, set_default=False)
     finally:
         registry.unregister_backend("toy_own_rendezvous")
+
+
+def _driver_loads() -> bool:
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_driver_loads(), reason="this host has a CUDA driver")
+def test_auto_on_a_host_without_a_driver_picks_cpu_without_importing_cupy():
+    """Where libcuda.so.1 cannot be loaded, ``auto`` is "cpu" at once: importing CuPy (most of
+    a second per rank, where it is installed) could not have found a GPU."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from gpucoll.backends import registry; "
+             "print(registry.resolve_backend('auto', 1), 'cupy' in sys.modules); "
+             "print(registry.get_backend('nccl').unavailable_reason())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, reason = out.stdout.splitlines()
+    assert first == "cpu False"
+    assert reason.startswith("no CUDA driver on this host (libcuda.so.1"), reason
+
+
+def test_the_driver_check_is_skipped_once_cupy_is_loaded(monkeypatch):
+    """With CuPy loaded (or stood in for, as the emulation does) CuPy itself is asked."""
+    from gpucoll import cuda_env
+
+    monkeypatch.setattr(cuda_env, "_LOADED", (object(), object()))
+    assert cuda_env.driver_missing_reason() is None
