@@ -25,6 +25,7 @@ __all__ = ["HostJob", "FaultReport", "SCENARIOS", "NAMED_ERRORS", "run_fault_sce
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "scripts" / "multihost_worker.py"
 NAMED_ERRORS = ("CommTimeoutError", "PeerError", "CommAbortedError")
+_INIT = re.compile(r"^\[rank (\d+)\] INIT (\d+) ([\d.]+)$")
 _FAULT = re.compile(r"^\[rank (\d+)\] FAULT (\d+) (\w+) ([\d.]+) ?(.*)$")
 
 
@@ -117,6 +118,11 @@ class HostJob:
                 proc.wait(5)
             except Exception:
                 pass
+
+    def init_times(self) -> Dict[int, float]:
+        """rank -> wall-clock time its ``init`` began (the ``loop`` workers' INIT lines)."""
+        return {int(m.group(1)): float(m.group(3)) for m in
+                (_INIT.match(line) for line in self.output().splitlines()) if m}
 
     def faults(self) -> Dict[int, tuple]:
         """rank -> (error class, wall-clock time, message) from the workers' FAULT lines."""

@@ -6,7 +6,7 @@ Usage: ``multihost_worker.py collectives TIMEOUT [LARGEST]`` or ``... loop TIMEO
   checked against NumPy (every rank computes every rank's input, see tests/reference.py),
   at 5 elements and ``LARGEST`` (default 70000: the ring algorithms);
   prints ``LINKS <json>`` (peer -> link kind) and ``CHECKED <n>``.
-- ``loop``: all_reduce 256 KiB (float32) in a loop (OP ``split``: split the ranks in two
+- ``loop``: prints ``INIT <rank> <time>`` before ``init``, then all_reduces 256 KiB (float32) in a loop (OP ``split``: split the ranks in two
   halves across the hosts, all_reduce on the half, close it); prints ``READY <rank> <time>`` after
   the first ones, then, when a fault stops the loop, ``FAULT <rank> <class> <time> <message>``
   (wall-clock time, comparable across test hosts of one machine) and exits 0 if the error is
@@ -115,6 +115,7 @@ def collectives() -> None:
 
 
 def loop() -> None:
+    print(f"INIT {RANK} {time.time():.3f}", flush=True)
     try:
         comm = gpucoll.init(backend="cpu", timeout=TIMEOUT)
     except BaseException as exc:
