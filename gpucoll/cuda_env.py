@@ -409,10 +409,12 @@ def _device_reason(cupy: Any) -> Optional[str]:
 def driver_missing_reason() -> Optional[str]:
     """Why this Linux host has no CUDA driver (``libcuda.so.1`` cannot be loaded), or None.
 
-    A ``dlopen`` of a few milliseconds: on a host without a driver it answers "no NCCL" before
-    CuPy is imported, which costs most of a second per rank and cannot succeed there. Not
-    asked once CuPy is loaded (or stood in for), nor off Linux."""
-    if _LOADED is not None or "cupy" in sys.modules or not sys.platform.startswith("linux"):
+    A ``dlopen`` of a few milliseconds: on a host without a driver, ``backend="auto"`` rules
+    NCCL out before CuPy is imported, which costs most of a second per rank and could not find
+    a GPU there (an explicit ``backend="nccl"`` still probes in full, for the fix). Not
+    asked once :func:`load` has loaded CuPy (or the tests' emulation stands in for it), nor off
+    Linux."""
+    if _LOADED is not None or not sys.platform.startswith("linux"):
         return None
     import ctypes
 
@@ -425,9 +427,6 @@ def driver_missing_reason() -> Optional[str]:
 
 def nccl_unavailable_reason() -> Optional[str]:
     """None when CuPy, NCCL and a GPU are usable (the NCCL backend can run), else why not."""
-    missing = driver_missing_reason()
-    if missing is not None:
-        return missing
     try:
         cupy, _ = load()
     except BackendUnavailableError as exc:

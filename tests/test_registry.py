@@ -246,13 +246,26 @@ def test_auto_on_a_host_without_a_driver_picks_cpu_without_importing_cupy():
 
     probe = ("import sys; from gpucoll.backends import registry; "
              "print(registry.resolve_backend('auto', 1), 'cupy' in sys.modules); "
-             "print(registry.get_backend('nccl').unavailable_reason())")
+             "print(registry.get_backend('nccl').auto_precheck())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    first, reason = out.stdout.splitlines()
-    assert first == "cpu False"
+    picked, reason = out.stdout.splitlines()
+    assert picked == "cpu False"
     assert reason.startswith("no CUDA driver on this host (libcuda.so.1"), reason
+
+
+def test_a_reason_from_the_precheck_skips_the_full_probe(caplog):
+    probed = []
+    registry.register_backend("toy", ToyCommunicator, lambda: probed.append(1),
+                              auto_priority=100, auto_precheck=lambda: "no toy driver")
+    try:
+        with caplog.at_level("INFO", logger="gpucoll"):
+            assert registry.resolve_backend("auto") in ("cpu", "nccl")
+        assert probed == []
+        assert "backend auto: not toy (no toy driver)" in caplog.text
+    finally:
+        registry.unregister_backend("toy")
 
 
 def test_the_driver_check_is_skipped_once_cupy_is_loaded(monkeypatch):

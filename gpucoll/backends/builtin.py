@@ -79,6 +79,7 @@ register_backend(
 register_backend(
     "nccl", nccl_factory, lambda: cuda_env.nccl_unavailable_reason(), memory="cuda",
     options=("device",), auto_priority=10, auto_reason=lambda local: shared_gpu_reason(local),
+    auto_precheck=lambda: cuda_env.driver_missing_reason(),
     description="GPU arrays through NCCL (CuPy); one GPU per rank",
     unavailable_hint="use backend='cpu' (CuPy arrays are staged through host memory) or "
                      "backend='auto'")

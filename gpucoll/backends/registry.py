@@ -60,6 +60,9 @@ class BackendSpec:
             then opens no store and passes ``store=None`` to the factory.
         details: ``() -> {name: value}`` of facts ``gpucoll doctor`` shows when the backend
             is available (library versions, CUDA-awareness...); None: nothing more.
+        auto_precheck: for ``auto`` only, a cheap ``() -> None or why not`` asked before
+            ``unavailable_reason``: a reason rules the backend out without the full probe
+            (NCCL's: no CUDA driver, said before CuPy is imported).
     """
 
     name: str
@@ -73,6 +76,7 @@ class BackendSpec:
     unavailable_hint: str = ""
     needs_store: bool = True
     details: Optional[Callable[[], Dict[str, Any]]] = None
+    auto_precheck: Optional[Callable[[], Optional[str]]] = None
 
 
 _REGISTRY: Dict[str, BackendSpec] = {}
@@ -85,7 +89,8 @@ def register_backend(name: str, factory: Callable,
                      auto_reason: Optional[Callable[[Optional[int]], Optional[str]]] = None,
                      description: str = "", unavailable_hint: str = "",
                      needs_store: bool = True,
-                     details: Optional[Callable[[], Dict[str, Any]]] = None) -> BackendSpec:
+                     details: Optional[Callable[[], Dict[str, Any]]] = None,
+                     auto_precheck: Optional[Callable[[], Optional[str]]] = None) -> BackendSpec:
     """Add (or replace) a backend; see :class:`BackendSpec` for the arguments.
 
     Raises:
@@ -100,7 +105,7 @@ def register_backend(name: str, factory: Callable,
                          f"got {memory!r}")
     spec = BackendSpec(name, factory, unavailable_reason or _always_available, memory,
                        frozenset(options), auto_priority, auto_reason, description,
-                       unavailable_hint, bool(needs_store), details)
+                       unavailable_hint, bool(needs_store), details, auto_precheck)
     _REGISTRY[name] = spec
     return spec
 
@@ -144,7 +149,9 @@ def _auto_choice(local_size: Optional[int]) -> str:
                     key=lambda spec: -spec.auto_priority)
     reasons = []
     for spec in ranked:
-        reason = spec.unavailable_reason()
+        reason = spec.auto_precheck() if spec.auto_precheck is not None else None
+        if reason is None:
+            reason = spec.unavailable_reason()
         if reason is None and spec.auto_reason is not None:
             reason = spec.auto_reason(local_size)
         if reason is None:
