@@ -8,6 +8,7 @@ two runs are compared; results also against NumPy.
 
 import collections
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -226,6 +227,34 @@ def test_a_stalled_one_pass_call_times_out_by_name(run, emu, monkeypatch):
             (name, message)
         assert states == ["done", "failed", "failed"], (name, states)
         assert count == (1 if name == "one-pass" else 0), name
+
+
+def test_a_communicator_idle_past_its_timeout_after_one_pass_calls_has_not_failed(
+        run, emu, monkeypatch):
+    """Each call leaves the watchdog's "inside NCCL" mark once NCCL returned: a mark left
+    behind would be held to the call's deadline and fail an idle communicator."""
+    cp = emu.cupy
+
+    def fn(comm, taken):
+        x = cp.ones(8, dtype=cp.float32)
+        comm.all_reduce(x)
+        comm.broadcast(x, 0)
+        comm.synchronize()
+        idle = time.monotonic() + 0.9      # the timeout and several watchdog polls
+        while time.monotonic() < idle:
+            time.sleep(0.05)
+        failure = comm._failure
+        comm.all_reduce(x)
+        return failure, cp.asnumpy(x).tolist(), [op for rank, op in taken if rank == comm.rank]
+
+    outcomes = _paths(monkeypatch, run, 2, fn, timeout=0.4)
+    for name, (results, _) in outcomes.items():
+        for failure, values, one_pass in results:
+            assert failure is None, (name, failure)
+            assert values == [4.0] * 8, (name, values)    # (1 + 1) from the all-reduce, twice
+            # the first call starts the recorder on the general path
+            assert one_pass == (["broadcast", "all_reduce"] if name == "one-pass" else []), \
+                (name, one_pass)
 
 
 @pytest.mark.parametrize("n", [2, 3])
