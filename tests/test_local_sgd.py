@@ -2,8 +2,9 @@
 simulation of each algorithm on the same data split (every rank's weights checked), and its
 all-reduces (read from the flight recorder) are exactly one per bucket per sync; on the
 digits, accuracy comparable to DDP's with 1 / H of the all-reduces; a lost rank (shrink,
-rebind) equals the simulation of the survivors going on; state_dict round trips resume bit
-for bit; usage errors come before anything is sent."""
+rebind) equals the simulation of the survivors going on, and so does its replacement joining
+(grow, ``joined=True``); state_dict round trips resume bit for bit; usage errors come before
+anything is sent."""
 
 import numpy as np
 import pytest
@@ -288,6 +289,236 @@ def test_rebind_takes_the_state_of_the_furthest_rank(pool):
         assert (steps, syncs) == (2, 1)
 
 
+# ---------------------------------------------------------------- a replacement joins (grow)
+GROW_SHAPES = [(5, 4), (4,), (3, 2)]
+GROW_H, GROW_STEPS, GROW_LR, GROW_MOMENTUM = 4, 16, 0.1, 0.5
+
+
+def grow_start():
+    return [np.random.default_rng([3, i]).standard_normal(s).astype(np.float32)
+            for i, s in enumerate(GROW_SHAPES)]
+
+
+def pull(params, world_rank, step):
+    """The gradient of ``|p - target|^2 / 2`` towards a target of (world rank, step): it
+    depends on the parameters, so a replica that starts elsewhere steps elsewhere."""
+    rng = np.random.default_rng([9, world_rank, step])
+    return [p - rng.standard_normal(p.shape).astype(np.float32) for p in params]
+
+
+def inner_step(params, velocity, world_rank, step):
+    for p, v, g in zip(params, velocity, pull(params, world_rank, step)):
+        v *= GROW_MOMENTUM
+        v += g
+        p -= GROW_LR * v
+
+
+def simulate_grow(world, algorithm, victim, leave_step, join_step):
+    """Every replica's weights after GROW_STEPS steps, in one process: ``victim`` is away
+    from ``leave_step`` to ``join_step``; it comes back (the same world rank, a fresh inner
+    momentum) from the anchor (DiLoCo), or from the members' mean (LocalSGD, which keeps no
+    anchor). Every GROW_H-th step syncs the replicas present."""
+    weights = {r: grow_start() for r in range(world)}
+    velocity = {r: [np.zeros_like(p) for p in grow_start()] for r in range(world)}
+    anchor = grow_start()
+    outer_velocity = [np.zeros_like(p) for p in anchor]
+    alive = list(range(world))
+    for step in range(GROW_STEPS):
+        if step == leave_step:
+            alive.remove(victim)
+        if step == join_step:
+            weights[victim] = [a.copy() for a in anchor] if algorithm == "diloco" else \
+                [np.mean([weights[r][i] for r in alive], axis=0).astype(np.float32)
+                 for i in range(len(anchor))]
+            velocity[victim] = [np.zeros_like(p) for p in anchor]
+            alive = sorted(alive + [victim])
+        for r in alive:
+            inner_step(weights[r], velocity[r], r, step)
+        if (step + 1) % GROW_H:
+            continue
+        mean = [np.mean([weights[r][i] for r in alive], axis=0) for i in range(len(anchor))]
+        if algorithm == "diloco":
+            for a, v, m in zip(anchor, outer_velocity, mean):
+                delta = a - m
+                v *= SETTINGS["outer_momentum"]
+                v += delta
+                a -= SETTINGS["outer_lr"] * (delta + SETTINGS["outer_momentum"] * v)
+            mean = anchor
+        for r in alive:
+            weights[r] = [m.astype(np.float32).copy() for m in mean]
+    return weights
+
+
+def make_periodic(comm, params, algorithm, joined=False):
+    if algorithm == "diloco":
+        return DiLoCo(comm, params, sync_every=GROW_H, outer_lr=SETTINGS["outer_lr"],
+                      outer_momentum=SETTINGS["outer_momentum"], joined=joined)
+    return LocalSGD(comm, params, sync_every=GROW_H, joined=joined)
+
+
+def rank_join_beside(comm, algorithm, join_step):
+    """The last rank stays out until ``join_step``: the others train on a group of their own,
+    then rebind to ``comm`` while it constructs with ``joined=True``; all go on to the end."""
+    newcomer = comm.rank == comm.size - 1
+    group = comm.split(int(newcomer))
+    params = [np.full(s, 7.0, np.float32) for s in GROW_SHAPES] if newcomer else grow_start()
+    velocity = [np.zeros_like(p) for p in params]
+    if newcomer:
+        group.close()
+        averager = make_periodic(comm, params, algorithm, joined=True)
+        steps_at_join = averager.steps
+    else:
+        averager = make_periodic(group, params, algorithm)
+        while averager.steps < join_step:
+            inner_step(params, velocity, comm.rank, averager.steps)
+            averager.step()
+        averager.rebind(comm)
+        group.close()
+        steps_at_join = averager.steps
+    at_join = [p.copy() for p in params]
+    while averager.steps < GROW_STEPS:
+        inner_step(params, velocity, comm.rank, averager.steps)
+        averager.step()
+    return params, steps_at_join, averager.syncs, at_join
+
+
+@pytest.mark.parametrize("algorithm,join_step", [("diloco", 6), ("local-sgd", 6),
+                                                 ("local-sgd", 8)])
+def test_a_newcomer_takes_the_state_and_the_next_sync_includes_it(pool, algorithm, join_step):
+    """Mid-period (step 6 of H = 4: DiLoCo hands on the anchor and momentum, LocalSGD the
+    members' mean) and at a sync (step 8: LocalSGD's members are equal, and the newcomer
+    gets their very parameters)."""
+    n = pool.world_size
+    if n == 1:
+        pytest.skip("a newcomer needs a member beside it")
+    want = simulate_grow(n, algorithm, n - 1, 0, join_step)
+    results = pool.run(rank_join_beside, algorithm, join_step)
+    for r, (params, steps_at_join, syncs, at_join) in enumerate(results):
+        assert (steps_at_join, syncs) == (join_step, GROW_STEPS // GROW_H)
+        if join_step % GROW_H == 0:
+            for got, member in zip(at_join, results[0][3]):
+                np.testing.assert_array_equal(got, member)
+        for i, (got, expected) in enumerate(zip(params, want[r])):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"rank {r}, parameter {i}")
+            np.testing.assert_array_equal(got, results[0][0][i])
+
+
+def rank_shrink_then_grow(rank, size, url, algorithm, world, victim):
+    """Ranks 0 .. world-1 train; ``victim`` dies at step 5, the others fail in the sync of
+    step 8, shrink and rebind; at step 10 they grow back: the last process, started as the
+    launcher's replacement is (GPUCOLL_JOIN, the victim's world rank), joins."""
+    import os
+    import signal
+
+    import gpucoll
+    from gpucoll.examples.train_digits import FAILURES
+    from gpucoll.rendezvous.survivors import publish_death
+
+    newcomer = rank == world
+    if newcomer:
+        os.environ["GPUCOLL_JOIN"] = "replacement"
+    comm = gpucoll.init(backend="cpu", rank=victim if newcomer else rank, world_size=world,
+                        url=url, timeout=30 if newcomer else 3, set_default=False)
+    world_rank = comm.to_world(comm.rank)
+    params = [np.full(s, 7.0, np.float32) for s in GROW_SHAPES] if newcomer else grow_start()
+    velocity = [np.zeros_like(p) for p in params]
+    averager = make_periodic(comm, params, algorithm, joined=newcomer)
+    steps_at_join = averager.steps
+    while averager.steps < GROW_STEPS:
+        if world_rank == victim and not newcomer and averager.steps == 5:
+            publish_death(comm._root_store, world_rank, "signal SIGKILL")   # as the launcher
+            os.kill(os.getpid(), signal.SIGKILL)
+        inner_step(params, velocity, world_rank, averager.steps)
+        try:
+            averager.step()
+        except FAILURES:
+            old, comm = comm, comm.shrink()
+            old.close()
+            averager.rebind(comm)
+        if averager.steps == 10 and comm.size < world:
+            bigger = comm.grow(min_size=world)
+            assert bigger is not comm, "the replacement did not come in"
+            comm.close()
+            comm = bigger
+            averager.rebind(comm)
+    sizes = (comm.size, sorted(comm.joined))
+    comm.close()
+    return world_rank, params, steps_at_join, averager.syncs, sizes
+
+
+@pytest.mark.parametrize("algorithm,world,victim", [("diloco", 3, 0), ("local-sgd", 2, 1)])
+def test_a_lost_rank_s_replacement_joins_and_all_end_equal(algorithm, world, victim):
+    """A shrink, then a grow back to full size with the launcher's kind of replacement: every
+    rank ends with the simulation's weights (the newcomer from the anchor or the members'
+    mean, 6 steps behind nobody), the same on every rank."""
+    survivors = [r for r in range(world) if r != victim]
+    results = run_ranks(rank_shrink_then_grow, world + 1, algorithm, world, victim, init=False,
+                        ranks=survivors + [world], env={"GPUCOLL_TIMEOUT": "3"}, timeout=60)
+    want = simulate_grow(world, algorithm, victim, 5, 10)
+    assert sorted(r[0] for r in results) == list(range(world))
+    for world_rank, params, steps_at_join, syncs, sizes in results:
+        assert steps_at_join == (10 if world_rank == victim else 0)
+        assert syncs == GROW_STEPS // GROW_H and sizes == (world, [victim])
+        for i, (got, expected) in enumerate(zip(params, want[world_rank])):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"world rank {world_rank}, parameter {i}")
+            np.testing.assert_array_equal(got, results[0][1][i])
+
+
+def rank_join_mistakes(comm, case):
+    params = [np.ones((3, 2), np.float32)]
+    diloco = DiLoCo(comm, params, sync_every=2)
+    last = comm.rank == comm.size - 1
+    if case == "interrupted":
+        diloco._pending = True              # as a sync that raised and was not rebound
+    joining = {"not marked": lambda: DiLoCo(comm, params, sync_every=2),
+               "layout": lambda: DiLoCo(comm, [np.ones((2, 3), np.float32)], sync_every=2,
+                                        joined=True),
+               "outer": lambda: DiLoCo(comm, params, sync_every=2, outer_lr=0.5,
+                                       joined=True)}.get(
+        case, lambda: DiLoCo(comm, params, sync_every=2, joined=True))
+    if case == "nobody holds state" or last:
+        found = error_text(joining)
+    else:
+        found = error_text(lambda: diloco.rebind(comm))
+    return found, float(comm.all_reduce(np.ones(1))[0])
+
+
+@pytest.mark.parametrize("case", ["not marked", "nobody holds state", "layout", "outer",
+                                  "interrupted"])
+def test_join_mistakes_are_named_on_every_rank(pool, case):
+    n = pool.world_size
+    members, newcomers = list(range(n - 1)), [n - 1]
+    for rank, (found, total) in enumerate(pool.run(rank_join_mistakes, case)):
+        assert total == n                       # the communicator is still usable
+        if n == 1 and case == "not marked":
+            assert found == "no error"
+        elif n == 1 or case == "nobody holds state":
+            assert found == (f"ValueError: DiLoCo: ranks {list(range(n))} construct with "
+                             f"joined=True and no rank holds the state to hand them: after "
+                             f"grow(), the members call rebind(comm) with the grown "
+                             f"communicator")
+        elif case == "not marked":
+            assert found == (f"ValueError: DiLoCo: ranks {newcomers} construct a new DiLoCo "
+                             f"while ranks {members} call rebind(): a rank that came in "
+                             f"through grow() holds no state; construct its DiLoCo with "
+                             f"joined=True")
+        elif case == "layout":
+            other = n - 1 if rank != n - 1 else 0
+            assert found.startswith(f"ValueError: DiLoCo: rank {rank} and rank {other} have "
+                                    f"different parameter layouts (shape checksum"), found
+        elif case == "outer":
+            other, lrs = (n - 1, "0.7 vs 0.5") if rank != n - 1 else (0, "0.5 vs 0.7")
+            assert found == (f"ValueError: DiLoCo: rank {rank} and rank {other} have different "
+                             f"outer optimizers (outer_lr {lrs}, outer_momentum 0.9 vs 0.9); "
+                             f"every rank must pass the same outer_lr and outer_momentum")
+        else:
+            assert found == (f"ValueError: DiLoCo.rebind: ranks {members} were interrupted in "
+                             f"a sync and ranks {newcomers} join: rebind() to the communicator "
+                             f"shrink() gave first, then grow()")
+
+
 # ---------------------------------------------------------------- CuPy arrays
 def rank_train_cupy(comm, algorithm, compression=None):
     """The example's training on CuPy arrays; the weights brought back to the host."""
@@ -445,6 +676,8 @@ def test_usage_errors(solo):
     assert error_text(lambda: SGD(momentum=0, nesterov=True)) == \
         "ValueError: nesterov=True needs momentum > 0, got momentum=0"
     assert error_text(lambda: LocalSGD(solo, [], sync_every=2)) == "ValueError: params is empty"
+    assert error_text(lambda: DiLoCo(solo, params, sync_every=2, joined="yes")) == \
+        "TypeError: joined must be True or False, got 'yes'"
     assert error_text(lambda: LocalSGD(solo, [np.zeros(3, np.int32)], sync_every=2)) == \
         ("TypeError: params[0] has dtype int32; LocalSGD averages float16, bfloat16, float32 "
          "or float64 parameters")

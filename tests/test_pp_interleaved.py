@@ -2,7 +2,9 @@
 hand-checked example and Megatron's warm-up, every chunk's forward and backward once and in
 order, the lockstep timetable and its bubble ``(P - 1) / (v M + P - 1)``; a pipelined step
 with two chunks per rank equals the unsplit model (NumPy reference) at 2 and 3 ranks; usage
-errors before anything is sent. The issue order is checked in ``tests/test_pp_order.py``."""
+errors before anything is sent; the example (``gpucoll.examples.train_pp --schedule
+interleaved``) under ``gpucoll run -n 2`` trains as the same model does in one process. The
+issue order is checked in ``tests/test_pp_order.py``."""
 
 import numpy as np
 import pytest
@@ -230,3 +232,46 @@ def test_interleaved_usage_errors_before_anything_is_sent():
     with pytest.raises(ValueError, match=r"inputs must have shape \(rows, 7\), got \(12, 6\)"):
         pipe.step(x[:, :6])
     assert pipe.virtual_stages == 2 and pipe.chunks == mine
+
+
+# ---------------------------------------------------------------- the example, launched
+EPOCH_LINE = r"epoch +(\d+) +loss ([0-9.]+) +train acc ([0-9.]+) +test acc ([0-9.]+)"
+
+
+def _example(tmp_path, data, launch=(), flags=()):
+    """The epoch lines (epoch, loss, train acc, test acc) of train_pp and its output."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", *launch, "gpucoll.examples.train_pp",
+                          "--cpu", "--data", data, "--epochs", "2", "--hidden", "32",
+                          "--hidden-layers", "3", "--microbatches", "4", *flags],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env=dict(os.environ, GPUCOLL_QUIET="1", **_ONE_BLAS))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [tuple(float(v) for v in m.groups()) for m in re.finditer(EPOCH_LINE, out.stdout)]
+    return lines, out.stdout
+
+
+def test_the_interleaved_example_under_the_launcher_trains_as_one_process(tmp_path):
+    """``gpucoll run -n 2 -m gpucoll.examples.train_pp --schedule interleaved
+    --virtual-stages 2``: four one-layer chunks, chunk c on rank c % 2, and four micro-batches
+    give every epoch the loss and accuracies of the same model trained in one process without
+    a pipeline (the same seed; only the order of additions may differ), and it learns the
+    digits (2 short epochs: 0.91 test accuracy)."""
+    from test_local_sgd import digits_file     # the digits without importing scikit-learn
+
+    data = digits_file(tmp_path)
+    interleaved, shown = _example(tmp_path, data, ["gpucoll", "run", "-n", "2", "-m"],
+                                  ["--schedule", "interleaved", "--virtual-stages", "2"])
+    assert "2 stage(s), schedule interleaved, 2 chunks per stage, 4 micro-batches of 16 rows, " \
+           "4 linear layers" in shown, shown
+    alone, _ = _example(tmp_path, data)
+    assert [line[0] for line in interleaved] == [line[0] for line in alone] == [1, 2], shown
+    for (_, loss, train, test), (_, want_loss, want_train, want_test) in zip(interleaved, alone):
+        assert loss == pytest.approx(want_loss, abs=2e-4)          # printed to 4 decimals
+        assert train == pytest.approx(want_train, abs=2e-3)        # a sample of 1438
+        assert test == pytest.approx(want_test, abs=3e-3)          # a sample of 359
+    assert interleaved[-1][3] > 0.85 and interleaved[-1][1] < 0.6 * interleaved[0][1], shown

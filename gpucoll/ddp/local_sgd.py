@@ -20,7 +20,9 @@ in half precision) rather than the parameters, so it keeps an anchor too.
 State (anchor, outer momentum, counters) is the same on every replica after each sync;
 ``state_dict()`` / ``load_state_dict()`` keep it (the caller keeps its parameters and inner
 optimizer), and ``rebind(comm)`` carries on over the communicator ``comm.shrink()`` gave
-after a lost rank.
+after a lost rank, or ``comm.grow()`` gave when replacements came in: a newcomer constructs
+its object with ``joined=True`` and receives the anchor, the outer momentum and the counters
+from a member, so that the next sync includes it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 _LAYOUT_FIELDS = ("parameters", "elements", "shape checksum", "dtype checksum", "sync_every",
                   "wire itemsize")
 _FINGERPRINT_ELEMENTS = 1024
+# what a rank does in the exchange that binds it to a communicator (the first column of it)
+_FRESH, _REBINDING, _JOINING = 0, 1, 2
 
 
 def _device_of(array: Any):
@@ -64,7 +68,7 @@ class _Periodic:
     _outer: Optional[SGD] = None
 
     def __init__(self, comm, params: Sequence[Any], sync_every: int, compression: Optional[str],
-                 bucket_cap_bytes: int, keep_anchor: bool):
+                 bucket_cap_bytes: int, keep_anchor: bool, joined: bool):
         if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) \
                 or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
@@ -72,6 +76,8 @@ class _Periodic:
             raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}")
         if not bucket_cap_bytes > 0:
             raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes!r}")
+        if not isinstance(joined, (bool, np.bool_)):
+            raise TypeError(f"joined must be True or False, got {joined!r}")
         params = list(params)
         if not params:
             raise ValueError("params is empty")
@@ -97,14 +103,18 @@ class _Periodic:
         self.steps = 0        # inner steps counted by step()
         self.syncs = 0        # syncs completed
         self._pending = False  # a sync raised on this rank and was not completed
-        self._bind(comm)
         self.anchor: Optional[List[Any]] = \
             [_copy_beside(p) for p in self.params] if keep_anchor else None
         self._delta: Optional[List[Any]] = None    # the pseudo-gradients (made at first sync)
+        table = self._bind(comm, _JOINING if joined else _FRESH)
+        if joined:
+            self._adopt(table)
 
     # ------------------------------------------------------------------ the communicator
-    def _bind(self, comm) -> None:
-        """Check ``comm`` against the arrays and every rank's layout; make the Bucketer."""
+    def _bind(self, comm, role: int) -> np.ndarray:
+        """Check ``comm`` against the arrays, every rank's layout and outer optimizer, and
+        what each rank does (``role``: a new object, ``rebind``, ``joined=True``); make the
+        Bucketer. Returns every rank's row of (role, syncs, steps, interrupted)."""
         if getattr(comm, "memory", "host") == "cuda" and self.xp is np:
             raise TypeError(f"backend {comm.backend!r} takes GPU arrays and the parameters are "
                             f"host arrays; use a host backend (cpu, mpi) or CuPy parameters")
@@ -116,10 +126,39 @@ class _Periodic:
                            wire], self.params[0],
                           "every rank must pass the same parameter shapes and dtypes, "
                           "sync_every and compression")
+        outer = (self._outer.lr, self._outer.momentum) if self._outer is not None else (0, 0)
+        mine = np.array([role, self.syncs, self.steps, int(self._pending), *outer], np.float64)
+        table = to_host(comm.all_gather(self.xp.asarray(mine))).reshape(comm.size, 6)
+        self._check_roles(comm, table)
         self.comm = comm
         self._bucketer = Bucketer(comm, self.params, bucket_cap_bytes=self.bucket_cap_bytes,
                                   first_bucket_cap_bytes=self.bucket_cap_bytes,
                                   compression=self.compression)
+        return table[:, :4].astype(np.int64)
+
+    def _check_roles(self, comm, table: np.ndarray) -> None:
+        """Raise on every rank (they all hold ``table``) when the ranks' outer optimizers
+        differ, or a newcomer (``joined=True``) or a new object meets ranks that rebind."""
+        kind = type(self).__name__
+        for rank, row in enumerate(table):
+            if not np.array_equal(row[4:], table[comm.rank, 4:]):
+                raise ValueError(f"{kind}: rank {comm.rank} and rank {rank} have different outer "
+                                 f"optimizers (outer_lr {table[comm.rank, 4]:g} vs {row[4]:g}, "
+                                 f"outer_momentum {table[comm.rank, 5]:g} vs {row[5]:g}); "
+                                 f"every rank must pass the same outer_lr and outer_momentum")
+        roles = table[:, 0]
+        fresh, members, newcomers = (np.flatnonzero(roles == role).tolist()
+                                     for role in (_FRESH, _REBINDING, _JOINING))
+        if newcomers and not members:
+            raise ValueError(f"{kind}: ranks {newcomers} construct with joined=True and no rank "
+                             f"holds the state to hand them: after grow(), the members call "
+                             f"rebind(comm) with the grown communicator"
+                             + (f" (ranks {fresh} construct a new {kind} instead)" if fresh
+                                else ""))
+        if fresh and members:
+            raise ValueError(f"{kind}: ranks {fresh} construct a new {kind} while ranks "
+                             f"{members} call rebind(): a rank that came in through grow() holds "
+                             f"no state; construct its {kind} with joined=True")
 
     @property
     def buckets(self) -> List[List[int]]:
@@ -169,44 +208,98 @@ class _Periodic:
 
     # ------------------------------------------------------------------ lost ranks
     def rebind(self, comm) -> None:
-        """Go on over ``comm``, the communicator ``comm.shrink()`` returned after a lost rank;
-        a collective of its ranks.
+        """Go on over ``comm``, the communicator ``comm.shrink()`` returned after a lost rank,
+        or ``comm.grow()`` returned with newcomers; a collective of its ranks.
 
-        The survivors agree on one state: when a lost rank's sync completed on some of them
-        (the all-reduce had every rank's part before the failure), those ranks' parameters,
-        anchor, outer momentum and counters are broadcast to the others; when it completed on
-        none, the survivors redo it among themselves (from their parameters as the failure
-        left them: LocalSGD averages them in place, bucket by bucket, so a failure between
-        two buckets leaves some already averaged). Either way, on return the step whose
-        sync raised is complete on every rank, as if nothing had failed (continue with the
-        next batch). The inner optimizer's state stays each rank's own.
+        After a shrink the survivors agree on one state: when a lost rank's sync completed
+        on some of them (the all-reduce had every rank's part before the failure), those
+        ranks' parameters, anchor, outer momentum and counters are broadcast to the others;
+        when it completed on none, the survivors redo it among themselves (from their
+        parameters as the failure left them: LocalSGD averages them in place, bucket by
+        bucket, so a failure between two buckets leaves some already averaged). Either way,
+        on return the step whose sync raised is complete on every rank, as if nothing had
+        failed (continue with the next batch).
+
+        After a grow, the newcomers construct theirs with ``joined=True`` while the members
+        call this: the first member sends them the anchor, the outer momentum and the
+        counters (see ``joined``), and the members' parameters stay as they are. The next
+        sync, at the same step on every rank, includes the newcomers. The inner optimizer's
+        state stays each rank's own.
 
         Raises:
             ValueError: the ranks of ``comm`` hold other parameter layouts or settings;
-                some of them were interrupted in a sync and others not (ranks named).
+                some of them were interrupted in a sync and others not, or interrupted
+                where newcomers join (shrink and rebind first); a rank of ``comm``
+                constructs a new object without ``joined=True`` (ranks named).
             TypeError: ``comm`` takes GPU arrays and the parameters are host arrays.
         """
-        self._bind(comm)
-        mine = np.array([self.syncs, self.steps, int(self._pending)], dtype=np.int64)
-        table = to_host(comm.all_gather(self.xp.asarray(mine))).reshape(comm.size, 3)
-        newest = int(table[:, 0].max())
-        source = int(np.argmax(table[:, 0]))
-        if (table[:, 0] != newest).any():       # some completed the sync: take their state
+        self._adopt(self._bind(comm, _REBINDING))
+
+    def _adopt(self, table: np.ndarray) -> None:
+        """With every rank's (role, syncs, steps, interrupted): take the newest state (a
+        shrink), complete an interrupted sync, or hand the state to the newcomers (a grow)."""
+        comm, kind = self.comm, type(self).__name__
+        members = np.flatnonzero(table[:, 0] == _REBINDING)
+        newcomers = np.flatnonzero(table[:, 0] == _JOINING)
+        newest = int(table[members, 1].max())
+        source = int(members[np.argmax(table[members, 1])])
+        if newcomers.size:
+            interrupted = members[table[members, 3].astype(bool)]
+            if interrupted.size:
+                raise ValueError(f"{kind}.rebind: ranks {interrupted.tolist()} were interrupted "
+                                 f"in a sync and ranks {newcomers.tolist()} join: rebind() to "
+                                 f"the communicator shrink() gave first, then grow()")
+            if (table[members, 1:3] != table[source, 1:3]).any():
+                raise ValueError(f"{kind}.rebind: the members are at different points (syncs "
+                                 f"{table[members, 1].tolist()}, steps "
+                                 f"{table[members, 2].tolist()} on ranks {members.tolist()}); "
+                                 f"call grow() and rebind() at the same step on every member")
+            self._welcome(source, members.size, int(table[source, 2]),
+                          newcomer=comm.rank in newcomers)
+            self.syncs, self.steps = newest, int(table[source, 2])
+            self._pending = False
+            return
+        if (table[:, 1] != newest).any():       # some completed the sync: take their state
             arrays = list(self.params) + list(self.anchor or [])
             if self._outer is not None and self._outer.momentum:
                 arrays += self._velocity()
             broadcast_parameters(comm, arrays, root=source)
-            self.syncs, self.steps = newest, int(table[source, 1])
+            self.syncs, self.steps = newest, int(table[source, 2])
             self._pending = False
             return
-        pending = table[:, 2].astype(bool)
+        pending = table[:, 3].astype(bool)
         if pending.any() and not pending.all():
-            raise ValueError(f"{type(self).__name__}.rebind: ranks {np.flatnonzero(pending)} "
+            raise ValueError(f"{kind}.rebind: ranks {np.flatnonzero(pending)} "
                              f"were interrupted in sync {newest + 1} and ranks "
                              f"{np.flatnonzero(~pending)} were not; every survivor must call "
                              f"rebind() from the same failed step")
         if self._pending:                        # nobody completed it: redo it here
             self.step()
+
+    def _welcome(self, source: int, members: int, steps: int, newcomer: bool) -> None:
+        """Send the newcomers ``source``'s anchor and outer momentum; their parameters become
+        the anchor, or without one (LocalSGD without compression) the members' parameters:
+        at a sync (``steps`` a multiple of ``sync_every``) ``source``'s, which are every
+        member's, between two the members' average, what a sync now would give them."""
+        if self.anchor is not None:
+            arrays = list(self.anchor)
+            if self._outer is not None and self._outer.momentum:
+                arrays += self._velocity()
+            broadcast_parameters(self.comm, arrays, root=source)
+            if newcomer:
+                for param, anchor in zip(self.params, self.anchor):
+                    param[...] = anchor
+        elif steps % self.sync_every == 0:
+            broadcast_parameters(self.comm, self.params, root=source)
+        else:                                 # the newcomers add zeros to the members' sum
+            buffers = []
+            for param in self.params:
+                with _device_of(param):
+                    buffers.append(self.xp.zeros_like(param) if newcomer else param.copy())
+            self._bucketer.reduce(buffers)    # the average over every rank of comm
+            if newcomer:
+                for param, average in zip(self.params, buffers):
+                    param[...] = average * (self.comm.size / members)
 
     def _velocity(self) -> List[Any]:
         """The outer momentum of every parameter (zeros before the first sync)."""
@@ -321,12 +414,18 @@ class LocalSGD(_Periodic):
         compression: None, "bf16" or "fp16": float32 values travel in that dtype. The change
             since the last sync travels then (the parameters at the last sync are kept).
         bucket_cap_bytes: bytes (on the wire) per all-reduce.
+        joined: this rank came in through ``comm.grow()`` (``comm.to_world(comm.rank) in
+            comm.joined``) and holds nothing; the members call :meth:`rebind` with ``comm``
+            meanwhile and the first of them sends it the counters, so that its next sync is
+            theirs, and the parameters: the anchor with compression, otherwise the members'
+            (their average between two syncs). ``params`` need only the right shapes.
 
     Raises:
         ValueError: ``sync_every < 1``, bad compression, no parameters, a non-contiguous one,
-            or ranks with other shapes, dtypes or settings (checked with one small
-            all-gather, the ranks named). TypeError: a dtype that is not floating point,
-            mixed array modules, or host arrays with a GPU-only communicator.
+            or ranks with other shapes, dtypes or settings (checked with small all-gathers,
+            the ranks named); ``joined=True`` where no rank calls :meth:`rebind`, or not
+            ``joined`` where some do. TypeError: a dtype that is not floating point, mixed
+            array modules, host arrays with a GPU-only communicator, ``joined`` not a bool.
 
     Example (two ranks)::
 
@@ -338,9 +437,10 @@ class LocalSGD(_Periodic):
     """
 
     def __init__(self, comm, params: Sequence[Any], *, sync_every: int,
-                 compression: Optional[str] = None, bucket_cap_bytes: int = 25 * MiB):
+                 compression: Optional[str] = None, bucket_cap_bytes: int = 25 * MiB,
+                 joined: bool = False):
         super().__init__(comm, params, sync_every, compression, bucket_cap_bytes,
-                         keep_anchor=_COMPRESSION.get(compression) is not None)
+                         keep_anchor=_COMPRESSION.get(compression) is not None, joined=joined)
 
     def _sync(self) -> None:
         if self.anchor is None:
@@ -368,10 +468,13 @@ class DiLoCo(_Periodic):
         outer_momentum: Nesterov momentum in [0, 1) (the paper's 0.9; 0: plain SGD).
         compression: None, "bf16" or "fp16": float32 pseudo-gradients travel in that dtype.
         bucket_cap_bytes: bytes (on the wire) per all-reduce.
+        joined: this rank came in through ``comm.grow()`` and holds nothing (as for
+            :class:`LocalSGD`): a member sends it the anchor, which its parameters become,
+            the outer momentum and the counters.
 
     Raises:
         ValueError, TypeError: as :class:`LocalSGD`; ``outer_lr <= 0`` or ``outer_momentum``
-            outside [0, 1).
+            outside [0, 1), or other ranks with another ``outer_lr`` or ``outer_momentum``.
 
     Example (two ranks)::
 
@@ -384,7 +487,7 @@ class DiLoCo(_Periodic):
 
     def __init__(self, comm, params: Sequence[Any], *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, compression: Optional[str] = None,
-                 bucket_cap_bytes: int = 25 * MiB):
+                 bucket_cap_bytes: int = 25 * MiB, joined: bool = False):
         if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float, np.number)) \
                 or not outer_lr > 0:
             raise ValueError(f"outer_lr must be a number > 0, got {outer_lr!r}")
@@ -392,10 +495,9 @@ class DiLoCo(_Periodic):
                 not isinstance(outer_momentum, (int, float, np.number)) \
                 or not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
-        outer = SGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+        self._outer = SGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
         super().__init__(comm, params, sync_every, compression, bucket_cap_bytes,
-                         keep_anchor=True)
-        self._outer = outer
+                         keep_anchor=True, joined=joined)
 
     @property
     def outer_optimizer(self) -> SGD:
