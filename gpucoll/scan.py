@@ -35,7 +35,7 @@ SCAN_TAG = 23714  # the tag of a scan's messages (below MPI's smallest allowed T
 # can force either algorithm. (from this many ranks, arrays of at least this many bytes):
 CHAIN_MIN_BYTES = ((2, 4 << 20), (3, 256 << 10))
 CHAIN_MEASURED_RANKS = 4  # beyond: the chain also needs at least size - 1 segments
-CHAIN_SEGMENT_BYTES = 1 << 20  # the unit the chain forwards
+CHAIN_SEGMENT_BYTES = 4 << 20  # the unit the chain forwards
 
 _TEMPORARIES = ("it combines through temporary arrays that a graph would go on using after "
                 "they are freed; call it outside the capture")
