@@ -203,12 +203,11 @@ def chain_scan(comm: Any, x: Any, result: Any, op: ReduceOp, exclusive: bool,
         received = None
         sent = flat_x if exclusive else flat_result
     elif exclusive:
-        if last or result is not x:
-            received, sent = flat_result, None
-        else:  # in place: the prefix waits in a temporary until x has been sent on
-            received, sent = comm._empty_as(x, (x.size,), x.dtype), flat_x
-        if not last and sent is None:
-            sent = comm._empty_as(x, (x.size,), x.dtype)
+        # in place, a middle rank sends op(prefix, x) from x itself and keeps the prefix in
+        # a temporary until x has been sent on; otherwise the prefix lands in result
+        keep_in_x = result is x and not last
+        received = comm._empty_as(x, (x.size,), x.dtype) if keep_in_x else flat_result
+        sent = None if last else flat_x if keep_in_x else comm._empty_as(x, (x.size,), x.dtype)
     else:
         sent = flat_result
         received = flat_result if result is not x else None
