@@ -2,8 +2,10 @@
 
 Rank r gets ``op(x_0, ..., x_r)`` (``scan``) or ``op(x_0, ..., x_{r-1})`` (``exscan``),
 elementwise: a rank's offset into a shared file, or its first global index, is the exclusive
-prefix sum of the per-rank counts. Every backend has them through one algorithm built on the
-communicator's own point-to-point calls (:func:`recursive_doubling_scan`); the MPI backend
+prefix sum of the per-rank counts. Every backend has them through two algorithms built on the
+communicator's own point-to-point calls, picked by :func:`scan_algorithm`: recursive doubling
+for small arrays (:func:`recursive_doubling_scan`) and a pipelined chain for large ones
+(:func:`chain_scan`); the MPI backend
 calls MPI's own ``Iscan`` / ``Iexscan`` where MPI reduces the dtype natively
 (:mod:`gpucoll.backends.mpi_scan`).
 
@@ -23,9 +25,17 @@ from .flight_recorder import describe_array, traced
 from .graph_capture import HOST_STAGING, is_device_array, refusal, stream_is_capturing
 from .types import ReduceOp, check_op_dtype, combine_fn
 
-__all__ = ["PrefixReductions", "identity", "recursive_doubling_scan", "SCAN_TAG"]
+__all__ = ["PrefixReductions", "identity", "recursive_doubling_scan", "chain_scan",
+           "scan_algorithm", "SCAN_TAG"]
 
 SCAN_TAG = 23714  # the tag of a scan's messages (below MPI's smallest allowed TAG_UB, 32767)
+
+# When the chain replaces recursive doubling, measured with bench/bench_scan.py on 2-4 ranks
+# (bench/RESULTS.md, "Prefix reductions: the pipelined chain"); module-level so that tests
+# can force either algorithm. (from this many ranks, arrays of at least this many bytes):
+CHAIN_MIN_BYTES = ((2, 4 << 20), (3, 256 << 10))
+CHAIN_MEASURED_RANKS = 4  # beyond: the chain also needs at least size - 1 segments
+CHAIN_SEGMENT_BYTES = 4 << 20  # the unit the chain forwards
 
 _TEMPORARIES = ("it combines through temporary arrays that a graph would go on using after "
                 "they are freed; call it outside the capture")
@@ -132,6 +142,105 @@ def recursive_doubling_scan(comm: Any, x: Any, result: Any, op: ReduceOp, exclus
         distance *= 2
 
 
+def scan_algorithm(nbytes: int, size: int) -> str:
+    """``"chain"`` or ``"recursive_doubling"`` for an array of ``nbytes`` on ``size`` ranks.
+
+    The chain from the ``CHAIN_MIN_BYTES`` that applies to ``size`` (4 MiB on 2 ranks,
+    256 KiB from 3, measured); recursive doubling below (fewer steps). On more than
+    ``CHAIN_MEASURED_RANKS`` ranks, unmeasured here, the chain also needs at least
+    ``size - 1`` segments: its p - 1 + S - 1 segment steps are then at most 2 S, fewer than
+    the ceil(log2 p) S of recursive doubling (p > 4).
+    """
+    minimum = None
+    for ranks, nbytes_from in CHAIN_MIN_BYTES:
+        if size >= ranks:
+            minimum = nbytes_from
+    if minimum is None or nbytes < minimum:
+        return "recursive_doubling"
+    segments = -(-nbytes // max(CHAIN_SEGMENT_BYTES, 1))
+    if size > CHAIN_MEASURED_RANKS and size - 1 > segments:
+        return "recursive_doubling"
+    return "chain"
+
+
+def chain_scan(comm: Any, x: Any, result: Any, op: ReduceOp, exclusive: bool,
+               stream: Any = None, segment_bytes: Optional[int] = None) -> None:
+    """Segmented, pipelined chain prefix reduction of ``x`` into ``result``, over ``comm``'s
+    ``isend`` / ``irecv`` (for large arrays, where recursive doubling moves log2 p full
+    arrays per rank).
+
+    ``x`` is cut into segments of ``segment_bytes`` (default ``CHAIN_SEGMENT_BYTES``). Rank
+    r receives segment k of ``prefix_{r-1} = op(x_0, ..., x_{r-1})`` from rank r - 1,
+    combines it on the left of its own segment k (lower ranks first, as
+    ``np.add.accumulate``) and sends ``op(prefix_{r-1}, x_r)`` segment k on to rank r + 1,
+    while segment k + 1 is already being received. ``scan`` keeps what it sends;
+    ``exscan`` keeps what it received (rank 0 gets the op's :func:`identity`). Messages go
+    only from r to r + 1, so the chain cannot deadlock, even with synchronous sends.
+
+    Steps: p - 1 + S - 1 segment steps on the critical path for S segments (the last
+    segment leaves rank 0 after S - 1 steps and needs p - 1 hops). Bytes on the wire:
+    ranks 0..p-2 each send ``x.nbytes`` once and ranks 1..p-1 each receive it once:
+    ``(p - 1) * nbytes`` in all, one combine of ``x`` per rank. ``x`` is read, and
+    ``result`` (which may be ``x``) written; temporaries: two segments (``scan`` in place)
+    or one array like ``x`` (``exscan`` on ranks 1..p-2), none otherwise.
+    """
+    xp = _array_module(x)
+    rank, size = comm.rank, comm.size
+    combine = getattr(xp, combine_fn(op, x.dtype).ufunc.__name__)
+    if not exclusive and result is not x:
+        result[...] = x
+    if size == 1 or x.size == 0:
+        if exclusive:
+            result.fill(identity(op, x.dtype)[()])
+        return
+    step = max(1, (CHAIN_SEGMENT_BYTES if segment_bytes is None else segment_bytes)
+               // x.itemsize)
+    bounds = [(start, min(start + step, x.size)) for start in range(0, x.size, step)]
+    flat_x, flat_result = x.reshape(-1), result.reshape(-1)
+    first, last = rank == 0, rank == size - 1
+    # received[k]: where segment k of prefix_{r-1} lands; sent[k]: what goes on to r + 1
+    if first:
+        received = None
+        sent = flat_x if exclusive else flat_result
+    elif exclusive:
+        # in place, a middle rank sends op(prefix, x) from x itself and keeps the prefix in
+        # a temporary until x has been sent on; otherwise the prefix lands in result
+        keep_in_x = result is x and not last
+        received = comm._empty_as(x, (x.size,), x.dtype) if keep_in_x else flat_result
+        sent = None if last else flat_x if keep_in_x else comm._empty_as(x, (x.size,), x.dtype)
+    else:
+        sent = flat_result
+        received = flat_result if result is not x else None
+    incoming = None
+    if received is None and not first:  # scan in place: two segment buffers, in turn
+        incoming = [comm._empty_as(x, (step,), x.dtype) for _ in range(min(2, len(bounds)))]
+
+    def post_receive(k: int):
+        start, stop = bounds[k]
+        target = received[start:stop] if incoming is None else incoming[k % 2][:stop - start]
+        return comm.irecv(target, rank - 1, tag=SCAN_TAG, stream=stream), target
+
+    sends = []
+    pending = None if first else post_receive(0)
+    for k, (start, stop) in enumerate(bounds):
+        if not first:
+            work, target = pending
+            pending = post_receive(k + 1) if k + 1 < len(bounds) else None
+            work.wait()
+            if not exclusive:
+                combine(target, flat_x[start:stop], out=flat_result[start:stop])
+            elif not last:
+                combine(target, flat_x[start:stop], out=sent[start:stop])
+        if not last:
+            sends.append(comm.isend(sent[start:stop], rank + 1, tag=SCAN_TAG, stream=stream))
+    for work in sends:
+        work.wait()
+    if exclusive and first:
+        result.fill(identity(op, x.dtype)[()])
+    elif exclusive and received is not flat_result:
+        flat_result[...] = received
+
+
 class PrefixReductions:
     """Mixin of :class:`gpucoll.Communicator`: :meth:`scan`, :meth:`exscan` and their default
     backend hook (uses the Communicator's argument checks and point-to-point calls)."""
@@ -147,7 +256,9 @@ class PrefixReductions:
         ``op(x_0, ..., x_r)`` elementwise, where ``x_q`` is rank q's ``x``.
 
         Partial results are combined in rank order (lower ranks on the left), in
-        ceil(log2 size) rounds of point-to-point messages (:func:`recursive_doubling_scan`).
+        ceil(log2 size) rounds of point-to-point messages (:func:`recursive_doubling_scan`),
+        or for large arrays along a pipelined chain of ranks (:func:`chain_scan`; which one:
+        :func:`scan_algorithm`).
 
         Args:
             x: input array (same shape and dtype on every rank).
@@ -233,13 +344,16 @@ class PrefixReductions:
             raise refusal(self.backend, f"{name} of a CUDA array", reason)
 
     def _scan(self, x: Any, op: ReduceOp, out: Any, exclusive: bool, stream: Any = None):
-        """Backend hook: :func:`recursive_doubling_scan` into ``out`` (None: ``x``). Device
+        """Backend hook: :func:`recursive_doubling_scan`, or :func:`chain_scan` for large
+        arrays (:func:`scan_algorithm`), into ``out`` (None: ``x``). Device
         arrays are combined as CuPy arrays (views of the caller's memory), on ``stream``
         (None: the current one) of their GPU, which is made current meanwhile, so that the
         combines and temporaries follow the receives that feed them. Returns the result."""
         result = x if out is None else out
+        algorithm = (chain_scan if scan_algorithm(x.nbytes, self.size) == "chain"
+                     else recursive_doubling_scan)
         if isinstance(x, np.ndarray) or not is_device_array(x):
-            recursive_doubling_scan(self, x, result, op, exclusive, stream)
+            algorithm(self, x, result, op, exclusive, stream)
             return result
         cupy = cuda_env.cupy_module()
         x_view = _device_view(cupy, x)
@@ -247,7 +361,7 @@ class PrefixReductions:
         with cupy.cuda.Device(x_view.device.id):
             resolved = cuda_env.as_cupy_stream(cupy, stream) or cupy.cuda.get_current_stream()
             with resolved:
-                recursive_doubling_scan(self, x_view, result_view, op, exclusive, resolved)
+                algorithm(self, x_view, result_view, op, exclusive, resolved)
         return result
 
 

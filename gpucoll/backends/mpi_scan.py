@@ -3,8 +3,8 @@
 Used for host (NumPy) arrays of a dtype that MPI reduces with its own datatype and op (see
 :mod:`.mpi_types`: every integer, float32/64, complex, bool); rank 0 of ``exscan``, which
 MPI leaves undefined, is then set to the op's identity here. float16, bfloat16 and device
-arrays take the generic recursive doubling of :mod:`gpucoll.scan` over this backend's
-point-to-point calls. A blocking scan of NumPy arrays with GPUCOLL_DEBUG off takes the short
+arrays take the generic algorithms of :mod:`gpucoll.scan` (recursive doubling, or the
+pipelined chain for large arrays) over this backend's point-to-point calls. A blocking scan of NumPy arrays with GPUCOLL_DEBUG off takes the short
 path of the other collectives (:mod:`.mpi_short`): the arrays straight to mpi4py, no staging.
 """
 
