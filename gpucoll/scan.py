@@ -16,7 +16,7 @@ that feeds it, in stream order.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -350,19 +350,23 @@ class PrefixReductions:
         (None: the current one) of their GPU, which is made current meanwhile, so that the
         combines and temporaries follow the receives that feed them. Returns the result."""
         result = x if out is None else out
-        algorithm = (chain_scan if scan_algorithm(x.nbytes, self.size) == "chain"
-                     else recursive_doubling_scan)
         if isinstance(x, np.ndarray) or not is_device_array(x):
-            algorithm(self, x, result, op, exclusive, stream)
+            _algorithm(x, self.size)(self, x, result, op, exclusive, stream)
             return result
         cupy = cuda_env.cupy_module()
-        x_view = _device_view(cupy, x)
+        x_view = _device_view(cupy, x)    # a foreign device array (a torch tensor) has no nbytes
         result_view = x_view if result is x else _device_view(cupy, result)
         with cupy.cuda.Device(x_view.device.id):
             resolved = cuda_env.as_cupy_stream(cupy, stream) or cupy.cuda.get_current_stream()
             with resolved:
-                algorithm(self, x_view, result_view, op, exclusive, resolved)
+                _algorithm(x_view, self.size)(self, x_view, result_view, op, exclusive, resolved)
         return result
+
+
+def _algorithm(x: Any, size: int) -> Callable[..., None]:
+    """:func:`chain_scan` or :func:`recursive_doubling_scan`, as :func:`scan_algorithm` says for
+    ``x`` (a NumPy or CuPy array) on ``size`` ranks."""
+    return chain_scan if scan_algorithm(x.nbytes, size) == "chain" else recursive_doubling_scan
 
 
 def _device_view(cupy: Any, array: Any) -> Any:
