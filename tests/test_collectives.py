@@ -16,8 +16,8 @@ import pytest
 
 from clusters import CLUSTERS
 from mp_harness import RankPool
-from reference import (ALL_DTYPES, OPS, assert_equal_result, identity_reference, make_input,
-                       op_valid, prefix_reference, reduce_reference, scan_input)
+from reference import ALL_DTYPES, OPS, assert_equal_result, make_input, op_valid, reduce_reference
+from scan_cases import rank_scans, scan_expected
 from shared_clusters import shared_cluster_pools
 
 pytestmark = pytest.mark.timeout(300)
@@ -493,41 +493,11 @@ def test_split_refuses_colors_and_keys_out_of_range(pool):
 
 
 # ---------------------------------------------------------------- scan / exscan
-def rank_scan(comm, arr, cases):
-    out = {}
-    for case_id, shape, dtype, op, name, mode in cases:
-        keep = scan_input(case_id, comm.rank, shape, dtype, op)
-        x = arr.dev(keep.copy())
-        call = comm.scan if name == "scan" else comm.exscan
-        if mode == "inplace":
-            result = call(x, op=op)
-            assert result is x
-        else:
-            target = arr.dev(np.full(shape, 5, dtype=keep.dtype))
-            result = call(x, op, out=target)
-            assert result is target
-            np.testing.assert_array_equal(arr.host(x), keep)  # input untouched out of place
-        out[case_id] = arr.host(result)
-    return out
-
-
-def _scan_expected(case, rank, size):
-    """Rank ``rank``'s scan / exscan result: NumPy's accumulate over the ranks' inputs."""
-    case_id, shape, dtype, op, name, _ = case
-    prefix = prefix_reference(np.stack([scan_input(case_id, r, shape, dtype, op)
-                                        for r in range(size)]), op)
-    if name == "scan":
-        return prefix[rank]
-    if rank == 0:
-        return identity_reference(op, prefix.dtype, shape)
-    return prefix[rank - 1]
-
-
 def _check_scan(pool, cases):
-    results = pool.run(rank_scan, cases)
+    results = pool.run(rank_scans, cases)
     for rank, by_case in enumerate(results):
         for case in cases:
-            assert_equal_result(by_case[case[0]], _scan_expected(case, rank, pool.world_size),
+            assert_equal_result(by_case[case[0]][0], scan_expected(case, rank, pool.world_size),
                                 f"rank {rank} case {case}")
 
 

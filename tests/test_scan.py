@@ -18,8 +18,8 @@ import pytest
 
 from clusters import CLUSTERS
 from mp_harness import RankFailure, run_ranks
-from reference import (assert_equal_result, identity_reference, op_valid, prefix_reference,
-                       scan_input)
+from reference import assert_equal_result, op_valid
+from scan_cases import rank_scans, scan_expected
 from shared_clusters import shared_cluster_pools
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,37 +63,6 @@ def _run_forced(pool, algorithm, fn, *args):
     return results
 
 
-def rank_scans(comm, arr, cases):
-    """Each case's result (as NumPy) and the point-to-point calls it was made of."""
-    out = {}
-    for case_id, shape, dtype, op, name, mode in cases:
-        keep = scan_input(case_id, comm.rank, shape, dtype, op)
-        x = arr.dev(keep.copy())
-        call = comm.scan if name == "scan" else comm.exscan
-        before = comm.trace()[-1]["number"] if comm.trace() else 0
-        if mode == "inplace":
-            result = call(x, op=op)
-            assert result is x
-        else:
-            target = arr.dev(np.full(shape, 5, dtype=keep.dtype))
-            result = call(x, op, out=target)
-            assert result is target
-            np.testing.assert_array_equal(arr.host(x), keep)  # input untouched out of place
-        calls = {entry["op"] for entry in comm.trace() if entry["number"] > before}
-        out[case_id] = (arr.host(result), calls)
-    return out
-
-
-def _expected(case, rank, size):
-    """Rank ``rank``'s result: NumPy's accumulate over the ranks' inputs."""
-    case_id, shape, dtype, op, name, _ = case
-    prefix = prefix_reference(np.stack([scan_input(case_id, r, shape, dtype, op)
-                                        for r in range(size)]), op)
-    if name == "scan":
-        return prefix[rank]
-    return identity_reference(op, prefix.dtype, shape) if rank == 0 else prefix[rank - 1]
-
-
 def _cases(dtypes):
     cases, case_id = [], 11000
     shapes = [(37,), (5, 11), (48,), (0,), (1,)]
@@ -117,7 +86,7 @@ def test_every_op_dtype_and_count_against_numpy(pool, algorithm):
     for rank, by_case in enumerate(results):
         for case in cases:
             got, calls = by_case[case[0]]
-            assert_equal_result(got, _expected(case, rank, pool.world_size),
+            assert_equal_result(got, scan_expected(case, rank, pool.world_size),
                                 f"{algorithm} rank {rank} case {case}")
             sends_something = pool.world_size > 1 and int(np.prod(case[1])) > 0
             if pool.backend != "mpi" or case[2] == "float16":  # the path under test ran
@@ -140,7 +109,7 @@ def test_default_thresholds_pick_the_chain_for_large_arrays(pool):
     for rank, by_case in enumerate(results):
         for case in cases:
             got, calls = by_case[case[0]]
-            assert_equal_result(got, _expected(case, rank, pool.world_size),
+            assert_equal_result(got, scan_expected(case, rank, pool.world_size),
                                 f"rank {rank} case {case}")
             picked = "chain" if calls & {"isend", "irecv"} else "recursive_doubling"
             expected = "chain" if case[1][0] > threshold else "recursive_doubling"
