@@ -54,7 +54,6 @@ import importlib.util
 import os
 import signal
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -64,10 +63,10 @@ from gpucoll import config
 from gpucoll.ddp import (Bucketer, DistributedSampler, DynamicLossScaler, PowerSGD,
                          ShardedOptimizer, all_reduce_metrics, broadcast_parameters,
                          make_optimizer)
-from gpucoll.errors import CommAbortedError, CommTimeoutError, PeerError
 from gpucoll.examples.checkpointing import resume, save_step
-
-FAILURES = (PeerError, CommTimeoutError, CommAbortedError)
+from gpucoll.examples.elastic import (FAILURES, Progress, add_elastic_arguments,
+                                      check_elastic_arguments, first_member, is_newcomer,
+                                      joined_line, lost_line, share_progress)
 
 
 def init_params(sizes, seed: int = 0, xp: Any = np, dtype: Any = np.float32) -> List[Any]:
@@ -236,15 +235,6 @@ def _init(force_cpu: bool):
         return gpucoll.init(backend="cpu", rank=0, world_size=1, url=f"file://{store}/store")
 
 
-@dataclass
-class Progress:
-    """Where training is: the same on every rank (replicated with the weights)."""
-
-    epoch: int = 0
-    offset: int = 0  # positions of this epoch's sample order already trained on
-    step: int = 0    # optimizer steps taken since the start
-
-
 def _optimizer_settings(args) -> dict:
     return {"lr": args.lr} if args.optimizer == "sgd" else {"lr": args.lr / 50}
 
@@ -293,14 +283,9 @@ def _recover(shard: _Shard, params, velocity, progress: Progress, args, dataset_
     steps = comm.all_gather(np.array([progress.step], dtype=np.int64))
     source = int(np.argmax(steps[:, 0]))
     broadcast_parameters(comm, list(params) + list(velocity), root=source)
-    where = np.array([progress.epoch, progress.offset, progress.step], dtype=np.int64)
-    comm.broadcast(where, root=source)
-    progress.epoch, progress.offset, progress.step = (int(v) for v in where)
+    share_progress(comm, progress, source)
     if comm.rank == 0:
-        lost = ", ".join(f"{rank} ({why})" for rank, why in sorted(comm.lost.items()))
-        print(f"# lost rank(s) {lost}: continued on {comm.size} ranks from step "
-              f"{progress.step} (epoch {progress.epoch + 1}, sample {progress.offset})",
-              flush=True)
+        print(lost_line(comm, progress), flush=True)
     return _Shard(comm, params, args, dataset_size)
 
 
@@ -316,10 +301,7 @@ def _recover_from_checkpoint(shard: _Shard, params, progress: Progress, scaler, 
         raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds no complete checkpoint "
                          f"to continue from")
     if comm.rank == 0:
-        lost = ", ".join(f"{rank} ({why})" for rank, why in sorted(comm.lost.items()))
-        print(f"# lost rank(s) {lost}: continued on {comm.size} ranks from the checkpoint of "
-              f"step {progress.step} (epoch {progress.epoch + 1}, sample {progress.offset})",
-              flush=True)
+        print(lost_line(comm, progress, from_checkpoint=True), flush=True)
     return shard
 
 
@@ -334,18 +316,14 @@ def _welcome(old: Optional[_Shard], comm, params, velocity, progress: Progress, 
         shard = _Shard(comm, params, args, dataset_size)
         resume(shard.zero, args.checkpoint_dir, progress, scaler)
     else:                     # replicated state: from the first member that is not new
-        source = next(r for r in range(comm.size) if comm.to_world(r) not in comm.joined)
+        source = first_member(comm)
         broadcast_parameters(comm, list(params) + list(velocity), root=source)
-        where = np.array([progress.epoch, progress.offset, progress.step], dtype=np.int64)
-        comm.broadcast(where, root=source)
-        progress.epoch, progress.offset, progress.step = (int(v) for v in where)
+        share_progress(comm, progress, source)
         shard = _Shard(comm, params, args, dataset_size)
     if old is not None:
         old.comm.close()
     if comm.rank == 0:
-        print(f"# rank(s) {', '.join(map(str, comm.joined))} joined: continued on {comm.size} "
-              f"ranks from step {progress.step} (epoch {progress.epoch + 1}, sample "
-              f"{progress.offset})", flush=True)
+        print(joined_line(comm, progress), flush=True)
     return shard
 
 
@@ -361,26 +339,15 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--loss-scaling", action="store_true",
                         help="dynamic loss scaling (skip steps that overflow)")
-    parser.add_argument("--elastic", action="store_true",
-                        help="survive lost ranks: shrink, re-shard, redo the interrupted step")
-    parser.add_argument("--grow-every", type=int, default=10, metavar="K",
-                        help="with --elastic: call comm.grow() every K steps, so that ranks "
-                             "started in lost ones' places (gpucoll run --replace) come in")
-    parser.add_argument("--wait-for-ranks", type=int, default=0, metavar="N",
-                        help="with --elastic: while fewer than N ranks train, each grow() "
-                             "waits (up to the communicator's timeout) for replacements")
-    parser.add_argument("--kill-rank", type=int, default=None, metavar="R",
-                        help="fault injection: world rank R SIGKILLs itself at --kill-step")
-    parser.add_argument("--kill-step", type=int, default=None, metavar="S",
-                        help="the global step (from 0) at which --kill-rank dies")
+    add_elastic_arguments(parser, "survive lost ranks: shrink, re-shard, redo the "
+                                  "interrupted step")
     parser.add_argument("--checkpoint-dir", default=None, metavar="D",
                         help="with --zero: save to D/step-N, resume from the newest there (at "
                              "any number of ranks), and with --elastic go back to it")
     parser.add_argument("--checkpoint-every", type=int, default=20, metavar="K",
                         help="steps between checkpoints (default 20)")
     args = parser.parse_args(argv)
-    if (args.kill_rank is None) != (args.kill_step is None):
-        parser.error("--kill-rank and --kill-step go together")
+    check_elastic_arguments(parser, args)
     if args.zero and args.compression != "none":
         parser.error("--compression applies to the Bucketer, not to --zero")
     if args.powersgd and (args.zero or args.compression != "none" or args.loss_scaling):
@@ -388,10 +355,6 @@ def main(argv=None) -> int:
                      "with --zero, --compression or --loss-scaling")
     if args.checkpoint_dir and not args.zero:
         parser.error("--checkpoint-dir saves the sharded state of --zero")
-    if args.grow_every < 1:
-        parser.error(f"--grow-every must be >= 1, got {args.grow_every}")
-    if args.wait_for_ranks < 0:
-        parser.error(f"--wait-for-ranks must be >= 0, got {args.wait_for_ranks}")
     if args.checkpoint_every < 1:
         parser.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if args.elastic and not args.checkpoint_dir and (args.zero or args.optimizer != "sgd"
@@ -409,7 +372,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the "
                              f"{comm.size} ranks")
         params = init_params([64, args.hidden, args.hidden, 10], seed=args.seed + comm.rank, xp=xp)
-        newcomer = comm.to_world(comm.rank) in comm.joined   # a lost rank's replacement
+        newcomer = is_newcomer(comm)   # a lost rank's replacement
         if not newcomer:
             broadcast_parameters(comm, params, root=0)   # every rank starts from rank 0's weights
         optimizer = make_optimizer(args.optimizer, **_optimizer_settings(args))
