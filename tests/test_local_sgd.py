@@ -163,17 +163,16 @@ def rank_digits(comm, algorithm, digits):
 
 
 def digits_file(directory):
-    """scikit-learn's digits as an .npz for ``--data``, read from the file it ships
-    (``load_digits`` reads the same), without importing scikit-learn (seconds)."""
+    """scikit-learn's digits as an .npz for ``--data``, read as the examples read them (from
+    the file scikit-learn ships, without importing it)."""
     import importlib.util
-    import os
 
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None:
+    from gpucoll.examples.train_digits import _digits_from_scikit_learn
+
+    if importlib.util.find_spec("sklearn") is None:
         pytest.skip("the digits ship with scikit-learn")
-    table = np.loadtxt(os.path.join(spec.submodule_search_locations[0], "datasets", "data",
-                                    "digits.csv.gz"), delimiter=",")
-    np.savez(directory / "digits.npz", x=table[:, :-1], y=table[:, -1].astype(np.int64))
+    x, y = _digits_from_scikit_learn()
+    np.savez(directory / "digits.npz", x=x, y=y)
     return str(directory / "digits.npz")
 
 
