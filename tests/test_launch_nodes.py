@@ -16,8 +16,9 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
-import sys
+import threading
 import time
 
 import pytest
@@ -144,6 +145,7 @@ def test_node_zero_serves_the_store_until_the_other_node_is_done(tmp_path):
 SLEEPER = """
 import os, time
 if os.environ["RANK"] == "1":
+    open(os.environ["SLEEPER_RUNNING"], "w").close()  # its launcher beats before it starts
     time.sleep(60)
 """
 
@@ -153,21 +155,29 @@ def test_node_zero_stops_waiting_for_a_node_gone_silent(tmp_path, monkeypatch):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     port = _free_port()
+    running = tmp_path / "rank1.running"
+    monkeypatch.setenv("SLEEPER_RUNNING", str(running))
     node1 = _launcher(1, port, script)
     err = io.StringIO()
+    killer = threading.Timer(2.5, os.kill, (node1.pid, signal.SIGKILL))
     try:
-        time.sleep(1.0)  # node 1 beats (its first beats may find no store yet)
+        # node 1 beats once its rank runs (its first beats may find no store yet); waited for,
+        # as starting it takes seconds on a loaded machine
+        deadline = time.monotonic() + 30
+        while not running.exists():
+            assert time.monotonic() < deadline and node1.poll() is None, "node 1 did not start"
+            time.sleep(0.05)
         cfg = LaunchConfig(str(script), nproc=1, nnodes=2, node_rank=0, master_addr="127.0.0.1",
                            master_port=port, stdout=io.StringIO(), stderr=err,
                            env={**os.environ, "GPUCOLL_AUTH_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)})
-        killer = subprocess.Popen([sys.executable, "-c",
-                                   f"import os, signal, time; time.sleep(2.5); "
-                                   f"os.kill({node1.pid}, signal.SIGKILL)"])
         started = time.monotonic()
+        killer.start()  # a timer here, not a process whose own start-up would delay the kill
         code = run_job(cfg)
         took = time.monotonic() - started
-        killer.wait(10)
     finally:
+        killer.cancel()
+        if killer.ident is not None:
+            killer.join(5)
         _finish([node1], timeout=15)
     assert code == 0, err.getvalue()
     assert ("no word from the launcher(s) of node(s) 1 for 2 s (host lost? "
