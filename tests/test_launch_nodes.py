@@ -118,7 +118,8 @@ if rank == 0:
     store.set("result", b"from rank 0")
     print("SET", flush=True)
 else:
-    time.sleep(3)      # rank 0 and its launcher's ranks are done by now
+    store.wait(["gpucoll/launch/exited/0"], timeout=30)  # node 0's launcher: its ranks are done
+    time.sleep(3)      # longer than node 0 waits before it says it serves on for node 1
     print("READ", store.get("result").decode(), "at", f"{time.time():.3f}", flush=True)
 store.close()
 """
