@@ -76,9 +76,12 @@ def rank_dead_peer(comm):
     if comm.rank == 1:
         comm.abort()
         return None
-    time.sleep(1.0)
     errors = []
-    for _ in range(3):  # the first writes may still reach the socket buffer
+    deadline = time.monotonic() + 15
+    # until rank 1's abort shows (it may take seconds on a loaded machine); the first writes
+    # after it may still reach the socket buffer
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.05)
         work = comm.isend(np.ones(16, np.float32), 1)
         try:
             work.wait(timeout=10)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import signal
 import subprocess
-import sys
+import threading
 import time
 
 import pytest
@@ -116,8 +118,9 @@ if rank == 0:
     store.set("result", b"from rank 0")
     print("SET", flush=True)
 else:
-    time.sleep(3)      # rank 0 and its launcher's ranks are done by now
-    print("READ", store.get("result").decode(), flush=True)
+    store.wait(["gpucoll/launch/exited/0"], timeout=30)  # node 0's launcher: its ranks are done
+    time.sleep(3)      # longer than node 0 waits before it says it serves on for node 1
+    print("READ", store.get("result").decode(), "at", f"{time.time():.3f}", flush=True)
 store.close()
 """
 
@@ -126,20 +129,24 @@ def test_node_zero_serves_the_store_until_the_other_node_is_done(tmp_path):
     script = tmp_path / "late_reader.py"
     script.write_text(LATE_READER)
     port = _free_port()
-    started = time.monotonic()
     (code0, out0, err0), (code1, out1, err1) = _finish(
         [_launcher(0, port, script), _launcher(1, port, script)])
+    ended = time.time()
     assert code0 == 0, err0
     assert code1 == 0, err1
-    assert "[rank 1] READ from rank 0" in out1, out1 + err1
+    read = re.search(r"^\[rank 1\] READ from rank 0 at ([\d.]+)$", out1, re.MULTILINE)
+    assert read, out1 + err1
     assert ("this node's ranks are done; serving the store until the launcher(s) of node(s) 1 "
             "are done too") in err0, err0
-    assert time.monotonic() - started < 20
+    # node 0 ends once node 1's launcher says it is done, not after GPUCOLL_NODE_SILENCE (10 s)
+    # of silence; timed from rank 1's read, as the launchers' start-up varies with the load
+    assert ended - float(read.group(1)) < 8, (ended, read.group(0))
 
 
 SLEEPER = """
 import os, time
 if os.environ["RANK"] == "1":
+    open(os.environ["SLEEPER_RUNNING"], "w").close()  # its launcher beats before it starts
     time.sleep(60)
 """
 
@@ -149,21 +156,29 @@ def test_node_zero_stops_waiting_for_a_node_gone_silent(tmp_path, monkeypatch):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     port = _free_port()
+    running = tmp_path / "rank1.running"
+    monkeypatch.setenv("SLEEPER_RUNNING", str(running))
     node1 = _launcher(1, port, script)
     err = io.StringIO()
+    killer = threading.Timer(2.5, os.kill, (node1.pid, signal.SIGKILL))
     try:
-        time.sleep(1.0)  # node 1 beats (its first beats may find no store yet)
+        # node 1 beats once its rank runs (its first beats may find no store yet); waited for,
+        # as starting it takes seconds on a loaded machine
+        deadline = time.monotonic() + 30
+        while not running.exists():
+            assert time.monotonic() < deadline and node1.poll() is None, "node 1 did not start"
+            time.sleep(0.05)
         cfg = LaunchConfig(str(script), nproc=1, nnodes=2, node_rank=0, master_addr="127.0.0.1",
                            master_port=port, stdout=io.StringIO(), stderr=err,
                            env={**os.environ, "GPUCOLL_AUTH_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)})
-        killer = subprocess.Popen([sys.executable, "-c",
-                                   f"import os, signal, time; time.sleep(2.5); "
-                                   f"os.kill({node1.pid}, signal.SIGKILL)"])
         started = time.monotonic()
+        killer.start()  # a timer here, not a process whose own start-up would delay the kill
         code = run_job(cfg)
         took = time.monotonic() - started
-        killer.wait(10)
     finally:
+        killer.cancel()
+        if killer.ident is not None:
+            killer.join(5)
         _finish([node1], timeout=15)
     assert code == 0, err.getvalue()
     assert ("no word from the launcher(s) of node(s) 1 for 2 s (host lost? "

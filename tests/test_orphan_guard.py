@@ -148,13 +148,25 @@ def test_guard_decisions():
         stranger.wait(5)
 
 
+# what the child prints to stderr just before the call under test: the time it took to stop is
+# counted from there, not from the child's start (Python's start-up is slow on a loaded machine)
+_BEGIN = "import sys; print(f'BEGIN {time.time():.3f}', file=sys.stderr, flush=True)"
+
+
+def _seconds_since_begin(result: subprocess.CompletedProcess, ended: float) -> float:
+    found = re.search(r"^BEGIN ([\d.]+)$", result.stderr, re.MULTILINE)
+    assert found, result.stderr
+    return ended - float(found.group(1))
+
+
 def test_a_rank_whose_launcher_is_already_gone_stops_at_once():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(10)  # reaped: its pid is free (or, rarely, someone newer's)
-    code = ("import os, time; os.environ['RANK'] = '3'; " + _GUARD + "; time.sleep(20)")
-    start = time.monotonic()
+    code = ("import os, time; os.environ['RANK'] = '3'; "
+            "from gpucoll.orphan_guard import guard_rank; " + _BEGIN + "; "
+            "print(guard_rank(), flush=True); time.sleep(20)")
     result = _guard_in_child(dead.pid, code=code)
-    assert time.monotonic() - start < DEADLINE
+    assert _seconds_since_begin(result, time.time()) < DEADLINE  # not the 20 s sleep
     assert result.returncode == -signal.SIGTERM, result.stderr
     # guard_rank() says "gone" while its thread already stops the rank: the SIGTERM may land
     # before, between or after print's writes
@@ -166,11 +178,10 @@ def test_a_rank_whose_launcher_is_already_gone_stops_at_once():
 def test_init_guards_a_rank_before_it_waits_on_the_store():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(10)
-    code = ("import gpucoll as gc; gc.init(backend='cpu', rank=1, world_size=2, "
-            "url='tcp://127.0.0.1:9', timeout=30)")
-    start = time.monotonic()
+    code = ("import time, gpucoll as gc; " + _BEGIN + "; gc.init(backend='cpu', rank=1, "
+            "world_size=2, url='tcp://127.0.0.1:9', timeout=30)")
     result = _guard_in_child(dead.pid, code=code)
-    assert time.monotonic() - start < DEADLINE  # not the 30 s store timeout
+    assert _seconds_since_begin(result, time.time()) < DEADLINE  # not the 30 s store timeout
     assert result.returncode == -signal.SIGTERM, result.stderr
     assert f"the launcher (pid {dead.pid}) is gone" in result.stderr
 

@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -128,16 +127,16 @@ def test_mpi_blocking_mode_ends_the_job_at_the_timeout_on_a_stuck_peer():
     from gpucoll.backends.mpi_blocking import EXIT_STATUS
 
     script = str(ROOT / "tests" / "scripts" / "mpi_stuck_peer.py")
-    started = time.monotonic()
     done = subprocess.run([*command, sys.executable, script, "4"], capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL,
                           env=mpirun_env(_env({"GPUCOLL_MPI_BLOCKING": "1"})))
-    elapsed = time.monotonic() - started
     assert done.returncode != 0 and "TIMEOUT" not in done.stdout, done.stdout + done.stderr
     assert ("gpucoll: CommTimeoutError: rank 0: all_reduce #1 did not complete within 4 s"
             in done.stderr), done.stderr
     assert f"exits with status {EXIT_STATUS}" in done.stderr, done.stderr
-    assert elapsed < 18, elapsed  # the job ended before rank 1 woke up
+    # the job ended before rank 1 woke up (its sleep begins after init, so this holds however
+    # long the ranks took to start)
+    assert "AWAKE" not in done.stdout, done.stdout
 
 
 def test_bench_on_the_mpi_backend_under_mpirun():

@@ -6,7 +6,8 @@ Every rank writes its pid to ``PIDDIR/rank<R>.pid``. A sleeping rank also starts
 process (``PIDDIR/rank<R>.child.pid``) and sleeps 60 s. Rank ACTOR instead waits until every
 rank has written its pid file, then does ACTION:
 
-- ``exit3``: print a traceback to stderr and exit with code 3;
+- ``exit3``: print ``rank R is about to fail at TIME`` (wall clock), a traceback to stderr,
+  and exit with code 3;
 - ``sigkill``: kill itself with SIGKILL;
 - ``exit0``: exit 0;
 - ``sleep``: sleep like the others.
@@ -48,7 +49,7 @@ if rank == actor and action != "sleep":
     write_pid(f"rank{rank}.pid", os.getpid())
     wait_for_all_ranks()
     if action == "exit3":
-        print(f"rank {rank} is about to fail", flush=True)
+        print(f"rank {rank} is about to fail at {time.time():.3f}", flush=True)
         try:
             raise RuntimeError(f"rank {rank} broke on purpose")
         except RuntimeError:
