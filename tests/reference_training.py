@@ -41,3 +41,23 @@ def rank_batch(x, y, step, rank, size, global_batch):
     local = global_batch // size
     lo = step * global_batch + rank * local
     return x[lo:lo + local], y[lo:lo + local]
+
+
+def one_process_training(optimizer, sizes, data, steps, global_batch, max_norm=None):
+    """The digits MLP (``sizes``, seed 5) trained in one process on the whole of each global
+    batch of ``data``, its gradients clipped in float64 to ``max_norm`` (as torch's
+    ``clip_grad_norm_``) when given: the parameters and each step's gradient norm."""
+    from gpucoll.examples.train_digits import init_params, loss_and_grads
+
+    x, y = data
+    params = init_params(sizes, seed=5)
+    opt = ReferenceOptimizer(optimizer, params)
+    norms = []
+    for step in range(steps):
+        _, _, grads = loss_and_grads(params, *rank_batch(x, y, step, 0, 1, global_batch))
+        grads = [g.astype(np.float64) for g in grads]
+        norm = np.sqrt(sum(float((g * g).sum()) for g in grads))
+        coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
+        opt.step(params, [g * coef for g in grads])
+        norms.append(norm)
+    return params, norms

@@ -11,7 +11,8 @@ from gpucoll.ddp import (Bucketer, FullyShardedParameters, ShardedOptimizer, cli
 from gpucoll.examples.train_digits import init_params, loss_and_grads
 from gpucoll.examples.train_fsdp import fsdp_loss_and_grads
 from mp_harness import error_text, rank_pools
-from reference_training import SETTINGS, ReferenceOptimizer, rank_batch, training_data
+from reference_training import (SETTINGS, ReferenceOptimizer, one_process_training, rank_batch,
+                                training_data)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,18 +30,7 @@ def _data():
 
 def reference(optimizer, max_norm=MAX_NORM):
     """One process, the whole batch, clipped in float64 as torch's clip_grad_norm_ does."""
-    x, y = _data()
-    params = init_params(SIZES, seed=5)
-    opt = ReferenceOptimizer(optimizer, params)
-    norms = []
-    for step in range(STEPS):
-        _, _, grads = loss_and_grads(params, *rank_batch(x, y, step, 0, 1, GLOBAL_BATCH))
-        grads = [g.astype(np.float64) for g in grads]
-        norm = np.sqrt(sum(float((g * g).sum()) for g in grads))
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        opt.step(params, [g * coef for g in grads])
-        norms.append(norm)
-    return params, norms
+    return one_process_training(optimizer, SIZES, _data(), STEPS, GLOBAL_BATCH, max_norm)
 
 
 def test_clip_grad_norm_against_numpy():

@@ -18,7 +18,7 @@ from gpucoll.examples.train_digits import init_params, loss_and_grads
 from gpucoll.examples.train_fsdp import fsdp_loss_and_grads
 from gpucoll.kernels import bfloat16
 from mp_harness import RankPool, error_text
-from reference_training import SETTINGS, ReferenceOptimizer, rank_batch, training_data
+from reference_training import SETTINGS, one_process_training, rank_batch, training_data
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,18 +68,7 @@ def _units(params):
 
 def reference(optimizer, steps=STEPS, max_norm=None):
     """One process, the whole batch, clipped in float64 when ``max_norm`` is given."""
-    x, y = _data()
-    params = init_params(SIZES, seed=5)
-    opt = ReferenceOptimizer(optimizer, params)
-    norms = []
-    for step in range(steps):
-        _, _, grads = loss_and_grads(params, *rank_batch(x, y, step, 0, 1, GLOBAL_BATCH))
-        grads = [g.astype(np.float64) for g in grads]
-        norm = np.sqrt(sum(float((g * g).sum()) for g in grads))
-        coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
-        opt.step(params, [g * coef for g in grads])
-        norms.append(norm)
-    return params, norms
+    return one_process_training(optimizer, SIZES, _data(), steps, GLOBAL_BATCH, max_norm)
 
 
 def _hybrid(comm, mesh, optimizer, params, **settings):
