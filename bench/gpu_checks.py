@@ -19,8 +19,13 @@ Phases (``--phase``, comma-separated; default all, in this order):
   ranks), ``bench_bucket.py`` (fused pack / unpack against a device-to-device copy and a
   per-array loop), ``bench_ddp_graph.py`` (a DDP step eager against captured into a CUDA
   graph, 1 rank and 2 ranks) and ``gpucoll topo``.
-- ``sweep``: ``gpucoll bench all_reduce -g 1 -b 8 -e 1G -f 4`` and ``-g 2``, as JSON (plot it
-  anywhere with ``gpucoll bench --from-json FILE --plot FILE.png``).
+- ``sweep``: ``gpucoll bench all_reduce -g 1 -b 8 -e 1G -f 4`` and ``-g 2`` (to 256 MiB: two
+  processes time-slice the one GPU, milliseconds per call), as JSON (plot it anywhere with
+  ``gpucoll bench --from-json FILE --plot FILE.png``).
+
+``--only`` and ``--skip`` take comma-separated step names (``--list`` shows them), to run some
+steps alone or all but some: a check whose needs change between runs (NCCL >= 2.30 for two
+ranks on one GPU) can run where they are met.
 
 ``--budget SECONDS`` keeps the whole run inside a caller's hard wall-clock limit: a step's limit
 is cut to what is left of the budget, and no step starts with less than ``MIN_START`` seconds
@@ -34,6 +39,7 @@ Without a GPU it says so and exits 3 (``--list`` shows the steps anywhere; ``--f
 anyway, to try their command lines).
 
     python bench/gpu_checks.py --out logs --phase env,tests --budget 560
+    python bench/gpu_checks.py --only bench-nccl-1-rank,bench-bucket,topo
     python bench/gpu_checks.py --list
 
 Exit status: 0 every step run passed, 1 some failed or timed out, 2 usage, 3 no GPU here.
@@ -172,8 +178,9 @@ def plan(out: str, digits: Optional[str] = None, workers: int = 0) -> List[Step]
              _gpucoll("bench", "all_reduce", "-g", "1", "-b", "8", "-e", "1G", "-f", "4",
                       "--backend", "nccl", "--json", j("all_reduce_g1.json")),
              outputs=[j("all_reduce_g1.json")]),
-        Step("sweep", "bench-all-reduce-g2", 300,
-             _gpucoll("bench", "all_reduce", "-g", "2", "-b", "8", "-e", "1G", "-f", "4",
+        Step("sweep", "bench-all-reduce-g2", 200,
+             # time-sliced like bench-nccl-2-ranks: up to 256 MiB fits the limit
+            _gpucoll("bench", "all_reduce", "-g", "2", "-b", "8", "-e", "256M", "-f", "4",
                       "--backend", "nccl", "--json", j("all_reduce_g2.json")),
              TWO_RANKS_ON_ONE_GPU, outputs=[j("all_reduce_g2.json")]),
     ]
@@ -308,6 +315,10 @@ def run(steps: Sequence[Step], out: str, budget: Optional[float], echo=print) ->
     return 1 if bad else 0
 
 
+def _names(text: str) -> set:
+    return {name.strip() for name in text.split(",") if name.strip()}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-checks",
@@ -318,6 +329,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--digits", help="the digits data as .npz (x, y) where scikit-learn is missing")
     parser.add_argument("--workers", type=int, default=0,
                         help="pytest-xdist processes for the GPU tests (default: 0, none)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated step names: run these alone (see --list)")
+    parser.add_argument("--skip", default="", help="comma-separated step names to leave out")
     parser.add_argument("--list", action="store_true", help="print the steps and exit")
     parser.add_argument("--force", action="store_true",
                         help="run even without a GPU (to try the steps' command lines)")
@@ -334,7 +348,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if digits and not os.path.isfile(digits):
         parser.error(f"--digits {args.digits}: no such file")
     out = os.path.abspath(args.out)
-    steps = [s for s in plan(out, digits, args.workers) if s.phase in phases]
+    every = plan(out, digits, args.workers)
+    only, skip = (_names(text) for text in (args.only, args.skip))
+    unknown = sorted((only | skip) - {s.name for s in every})
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(unknown)}; --list names them")
+    steps = [s for s in every if s.phase in phases and (not only or s.name in only)
+             and s.name not in skip]
+    if not steps:
+        parser.error("no step left to run: --phase, --only and --skip exclude them all")
     if args.list:
         for step in steps:
             extra = f"  (only if {step.only_if_failed} failed)" if step.only_if_failed else ""

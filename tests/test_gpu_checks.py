@@ -62,12 +62,28 @@ def test_every_step_names_a_script_or_module_that_exists(tmp_path):
     assert "-m gpu" in proc.stdout and "NCCL_MULTI_RANK_GPU_ENABLE=1" in proc.stdout
 
 
-@pytest.mark.parametrize("args, message", [(["--phase", "tests,nope"], "unknown phase"),
-                                           (["--budget", "0"], "--budget must be positive"),
-                                           (["--workers", "-1"], "--workers must be 0 or more")])
+@pytest.mark.parametrize("args, message", [
+    (["--phase", "tests,nope"], "unknown phase"),
+    (["--budget", "0"], "--budget must be positive"),
+    (["--workers", "-1"], "--workers must be 0 or more"),
+    (["--only", "topo,nope"], "unknown step(s) nope"),
+    (["--skip", "nope"], "unknown step(s) nope"),
+    (["--phase", "env", "--only", "topo"], "no step left to run")])
 def test_usage_errors_exit_2(args, message):
     proc = _cli(*args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_only_and_skip_pick_steps_by_name(tmp_path):
+    def listed(*args):
+        proc = _cli("--list", "--out", str(tmp_path), *args)
+        assert proc.returncode == 0, proc.stderr
+        return [line.split("]", 1)[1].split(",", 1)[0].strip() for line in proc.stdout.splitlines()]
+
+    every = listed()
+    assert listed("--only", "topo, bench-bucket") == ["bench-bucket", "topo"]  # plan order
+    assert listed("--skip", "topo,nvidia-smi") == [n for n in every if n not in ("topo", "nvidia-smi")]
+    assert listed("--phase", "bench", "--only", "topo,nvidia-smi") == ["topo"]
 
 
 def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
