@@ -1,6 +1,8 @@
 """Bucketing benchmark: fused pack / unpack, and end-to-end gradient averaging.
 
-1. Pack and unpack 1,000 arrays of mixed sizes (1 KiB - 4 MiB, 64 MiB in all, float32):
+1. Pack and unpack 1,000 arrays of mixed sizes (1 KiB - 4 MiB, 64 MiB in all, float32), in
+   the bucket layout of the DDP bucketer (``kernels.bucket_offsets``: each array on a 16-byte
+   boundary); the GPU part also packs and unpacks them back to back (any alignment):
    * GPU (CuPy and a device present): the fused kernels (float32 buckets, and float32 ->
      bfloat16 / float16 buckets and back) against the device-to-device copy bandwidth measured
      in the same run (one 64 MiB ``cupy.copyto``) and per-array CuPy loops; ``--json`` keeps
@@ -139,14 +141,19 @@ def bench_gpu(sizes, json_path=None):
     total = sum(sizes)
     nbytes = total * 4
     arrays = [cupy.random.standard_normal(n, dtype=cupy.float32) for n in sizes]
-    bucket = cupy.empty(total, cupy.float32)
-    offsets = list(np.cumsum([0] + sizes[:-1]))
+    # the layout the DDP bucketer uses: each array on a 16-byte boundary (vector accesses)
+    offsets, length = kernels.bucket_offsets(sizes, 4)
+    bucket = cupy.empty(length, cupy.float32)
+    # and back to back, where an array gets vector accesses only if its bucket position
+    # happens to share its own 16-byte phase
+    packed_offsets = [int(o) for o in np.cumsum([0] + sizes[:-1])]
+    packed = cupy.empty(total, cupy.float32)
     flat = cupy.empty(total, cupy.float32)
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
-    print(f"# GPU {name}, {len(sizes)} arrays, {nbytes / MiB:.0f} MiB float32; "
-          f"GB/s = float32 bytes of the arrays / time (events, median of 20; per call, and "
-          f"with the GPU alone)")
+    print(f"# GPU {name}, {len(sizes)} arrays, {nbytes / MiB:.0f} MiB float32, each on a 16-byte "
+          f"boundary of the bucket unless said; GB/s = float32 bytes of the arrays / time "
+          f"(events, median of 20; per call, and with the GPU alone)")
 
     def timed(fn, repeat=20):
         fn()
@@ -203,7 +210,8 @@ def bench_gpu(sizes, json_path=None):
         for a, o, n in zip(arrays, offsets, sizes):
             cupy.multiply(bucket[o:o + n], 0.5, out=a)
 
-    cases = [("copy", "device-to-device copy, one 64 MiB array", lambda: cupy.copyto(flat, bucket)),
+    cases = [("copy", "device-to-device copy, one 64 MiB array",
+              lambda: cupy.copyto(flat, bucket[:total])),
              ("loop_pack", "per-array CuPy copy loop", loop_copy),
              ("pack", "kernels.pack", lambda: kernels.pack(arrays, bucket, offsets=offsets)),
              ("loop_unpack", "per-array CuPy unpack loop (x 0.5)", loop_unpack),
@@ -211,7 +219,11 @@ def bench_gpu(sizes, json_path=None):
                                                                            scale=0.5)),
              ("unpack_check", "kernels.unpack scale=0.5 + non-finite check",
               lambda: kernels.unpack(bucket, arrays, offsets=offsets, scale=0.5,
-                                     found_inf=cupy.zeros(1, cupy.int32)))]
+                                     found_inf=cupy.zeros(1, cupy.int32))),
+             ("pack_back_to_back", "kernels.pack, arrays back to back",
+              lambda: kernels.pack(arrays, packed, offsets=packed_offsets)),
+             ("unpack_back_to_back", "kernels.unpack scale=0.5, back to back",
+              lambda: kernels.unpack(packed, arrays, offsets=packed_offsets, scale=0.5))]
     halves = [("float16", cupy.float16)]
     try:
         if kernels.bfloat16 is None:
@@ -220,12 +232,14 @@ def bench_gpu(sizes, json_path=None):
         halves.append(("bfloat16", kernels.bfloat16))
     except Exception as exc:
         print(f"# bfloat16 cases skipped: {type(exc).__name__}: {exc}")
+    half_offsets, half_length = kernels.bucket_offsets(sizes, 2)
     for label, dtype in halves:
-        half = cupy.empty(total, dtype)
+        half = cupy.empty(half_length, dtype)
         cases.append((f"pack_{label}", f"kernels.pack -> {label}",
-                      lambda half=half: kernels.pack(arrays, half)))
+                      lambda half=half: kernels.pack(arrays, half, offsets=half_offsets)))
         cases.append((f"unpack_{label}", f"kernels.unpack {label} -> float32 x 0.5",
-                      lambda half=half: kernels.unpack(half, arrays, scale=0.5)))
+                      lambda half=half: kernels.unpack(half, arrays, offsets=half_offsets,
+                                                       scale=0.5)))
     seconds, gpu_seconds = {}, {}
     for key, label, fn in cases:
         seconds[key] = timed(fn)

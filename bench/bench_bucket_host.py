@@ -3,8 +3,8 @@
 On an H100, packing 1,000 float32 arrays (64 MiB) took 3.8 ms between CUDA events while one
 64 MiB copy took 0.06 ms: the GPU waited for the host. This times what the host does before the
 launch, on real CuPy arrays whose memory is host memory wrapped as device memory
-(``cupy.cuda.UnownedMemory``), so it runs anywhere CuPy imports: the checks (``_validate``),
-reading the pointers, building the work tables and finding them on the GPU (``_device_table``,
+(``cupy.cuda.UnownedMemory``), so it runs anywhere CuPy imports: the checks (``_validate``; of
+a list not seen before, and of the same list again, which is remembered), reading the pointers, building the work tables and finding them on the GPU (``_device_table``,
 with an upload that only counts; absent in older trees).
 
     python bench/bench_bucket_host.py --arrays 1000
@@ -70,19 +70,30 @@ def main(argv=None) -> int:
     arrays, bucket, _keep = _arrays(args.arrays, args.mib << 20)
     upload = _Counting()
 
+    remembered = getattr(kernels, "_CHECKED", None)  # lists checked before (absent in older trees)
+
+    def validate_new():
+        if remembered is not None:
+            remembered.clear()
+        return kernels._validate(arrays, bucket, None, "pack")
+
     def validate():
         return kernels._validate(arrays, bucket, None, "pack")
 
     def host_path():
-        _, offsets, sizes = kernels._validate(arrays, bucket, None, "pack")
-        pointers = [a.data.ptr for a in arrays]
+        checked = kernels._validate(arrays, bucket, None, "pack")
+        offsets, sizes = checked[1], checked[2]
+        pointers = checked[3] if len(checked) > 3 else [a.data.ptr for a in arrays]
         for _n, _grid, table in kernels.work_tables(pointers, offsets, sizes):
             if hasattr(kernels, "_device_table"):
                 kernels._device_table(upload, 0, 0, table)
 
     print(f"# {args.arrays} CuPy float32 arrays ({args.mib} MiB over host memory), "
           f"python {platform.python_version()}, numpy {np.__version__}, {time.strftime('%Y-%m-%d')}")
-    for name, fn in (("checks (_validate)", validate), ("host path up to the launch", host_path)):
+    cases = [("checks (_validate)", validate), ("host path up to the launch", host_path)]
+    if remembered is not None:
+        cases.insert(0, ("checks, a list not seen before", validate_new))
+    for name, fn in cases:
         number = 10
         best = min(timeit.repeat(fn, number=number, repeat=args.repeat)) / number
         print(f"  {name:30s} {best * 1e3:8.3f} ms  ({best * 1e6 / args.arrays:.2f} µs per array)")

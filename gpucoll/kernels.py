@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import os
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -59,7 +61,7 @@ MAX_ARRAYS_PER_LAUNCH = 65536
 #: Blocks one launch may have (CUDA's grid.x limit).
 MAX_BLOCKS_PER_LAUNCH = 2 ** 31 - 1
 #: Elements one thread block copies (a multiple of 16, so every vector width divides it).
-TILE_ELEMS = 4096
+TILE_ELEMS = 8192
 THREADS_PER_BLOCK = 256
 #: Options the loader gives NVRTC (through ``cupy.RawModule``).
 NVRTC_OPTIONS = ("--std=c++14",)
@@ -127,8 +129,65 @@ def bucket_offsets(sizes: Sequence[int], itemsize: int, align_bytes: int = 16) -
     return offsets, position
 
 
+#: Lists of CuPy arrays that passed the checks, {ids: _Checked}, newest last: a training step
+#: packs and unpacks the same gradients at every step, and a CuPy array's type, dtype, memory,
+#: size, contiguity and device never change (only its shape can be set, to one of the same size
+#: and contiguity), so a list of the same live objects needs no checks again.
+_CHECKED: "collections.OrderedDict[Tuple[int, ...], _Checked]" = collections.OrderedDict()
+#: How many lists are remembered (each holds weak references only).
+CHECKED_KEPT = 64
+
+
+class _Checked:
+    """What the checks found for one list of CuPy arrays."""
+
+    __slots__ = ("refs", "device", "dtype", "sizes", "pointers")
+
+    def __init__(self, arrays: Sequence[Any], device: int, dtype: str, sizes: np.ndarray):
+        self.refs = [weakref.ref(array) for array in arrays]  # never keeps an array alive
+        self.device, self.dtype, self.sizes = device, dtype, sizes
+        self.pointers = [array.data.ptr for array in arrays]
+
+
+def _checked_before(arrays: Sequence[Any], device: int) -> Optional[_Checked]:
+    """The record of ``arrays`` (a list or tuple of the very same live objects, in order)
+    checked before for ``device``, else None."""
+    if type(arrays) not in (list, tuple):
+        return None
+    key = tuple(map(id, arrays))
+    found = _CHECKED.get(key)
+    if found is None or found.device != device or \
+            not all(map(operator.is_, [ref() for ref in found.refs], arrays)):
+        return None
+    try:
+        _CHECKED.move_to_end(key)
+    except KeyError:  # evicted by another thread meanwhile: still valid
+        pass
+    return found
+
+
+def _remember_checked(arrays: Sequence[Any], device: int, dtype: str,
+                      sizes: np.ndarray) -> Optional[List[int]]:
+    """Remember that ``arrays`` passed the checks; returns their pointers."""
+    if type(arrays) not in (list, tuple):
+        return None
+    try:
+        checked = _Checked(arrays, device, dtype, sizes)
+    except TypeError:  # an array type without weak references: checked at every call
+        return None
+    _CHECKED[tuple(map(id, arrays))] = checked
+    try:
+        while len(_CHECKED) > CHECKED_KEPT:
+            _CHECKED.popitem(last=False)
+    except KeyError:  # emptied by another thread meanwhile
+        pass
+    return checked.pointers
+
+
 def _validate(arrays: Sequence[Any], bucket: Any, offsets: Optional[Sequence[int]],
-              what: str) -> Tuple[str, List[int], List[int]]:
+              what: str) -> Tuple[str, List[int], List[int], Optional[List[int]]]:
+    """The arrays' dtype name, offsets and sizes (lists of ints), and for CuPy arrays their
+    pointers (None for NumPy), once every check passed."""
     if not hasattr(bucket, "dtype") or getattr(bucket, "ndim", None) != 1:
         raise ValueError(f"bucket must be a 1-D array, got {type(bucket).__name__} with shape "
                          f"{getattr(bucket, 'shape', None)}")
@@ -136,6 +195,35 @@ def _validate(arrays: Sequence[Any], bucket: Any, offsets: Optional[Sequence[int
         raise ValueError(f"bucket must be contiguous (strides {bucket.strides})")
     gpu = _is_cupy(bucket)
     device = bucket.data.device_id if gpu else None
+    found = _checked_before(arrays, device) if gpu else None
+    if found is not None:
+        array_dtype, sizes_np, pointers = found.dtype, found.sizes, found.pointers
+    else:
+        array_dtype, sizes_np = _check_arrays(arrays, bucket, gpu, device, what)
+        pointers = _remember_checked(arrays, device, array_dtype, sizes_np) if gpu else None
+        if gpu and pointers is None:
+            pointers = [array.data.ptr for array in arrays]
+    if array_dtype is not None:
+        _check_pair(array_dtype, _dtype_name(bucket.dtype))
+    if offsets is None:
+        offsets_np = np.zeros(len(sizes_np), dtype=np.int64)
+        np.cumsum(sizes_np[:-1], out=offsets_np[1:])
+    elif len(offsets) != len(sizes_np):
+        raise ValueError(f"got {len(offsets)} offsets for {len(sizes_np)} arrays")
+    else:
+        offsets_np = np.asarray(offsets, dtype=np.int64)
+    outside = np.flatnonzero((offsets_np < 0) | (offsets_np + sizes_np > bucket.size))
+    if outside.size:
+        index = int(outside[0])
+        raise ValueError(f"arrays[{index}] ({int(sizes_np[index])} elements at offset "
+                         f"{int(offsets_np[index])}) does not fit in the bucket of "
+                         f"{bucket.size} elements")
+    return array_dtype or "", offsets_np.tolist(), sizes_np.tolist(), pointers
+
+
+def _check_arrays(arrays: Sequence[Any], bucket: Any, gpu: bool, device: Optional[int],
+                  what: str) -> Tuple[Optional[str], np.ndarray]:
+    """Every array's checks: ``(dtype name or None for no array, sizes as int64)``."""
     contiguous = _cupy_contiguous if gpu else _contiguous
     array_dtype = first_type = first_dtype = None
     sizes = []
@@ -163,25 +251,7 @@ def _validate(arrays: Sequence[Any], bucket: Any, offsets: Optional[Sequence[int
                              f"on device {device}")
         sizes.append(int(array.size))
         first_type, first_dtype = type(array), array.dtype
-    if array_dtype is not None:
-        _check_pair(array_dtype, _dtype_name(bucket.dtype))
-    sizes_np = np.asarray(sizes, dtype=np.int64)
-    if offsets is None:
-        offsets_np = np.zeros(len(sizes), dtype=np.int64)
-        np.cumsum(sizes_np[:-1], out=offsets_np[1:])
-    elif len(offsets) != len(sizes):
-        raise ValueError(f"got {len(offsets)} offsets for {len(sizes)} arrays")
-    else:
-        offsets_np = np.asarray(offsets, dtype=np.int64)
-    outside = np.flatnonzero((offsets_np < 0) | (offsets_np + sizes_np > bucket.size))
-    if outside.size:
-        index = int(outside[0])
-        raise ValueError(f"arrays[{index}] ({sizes[index]} elements at offset "
-                         f"{int(offsets_np[index])}) does not fit in the bucket of "
-                         f"{bucket.size} elements")
-    offsets = offsets_np.tolist()
-    sizes = sizes_np.tolist()
-    return array_dtype or "", offsets, sizes
+    return array_dtype, np.asarray(sizes, dtype=np.int64)
 
 
 def _compute_dtype(a: str, b: str) -> np.dtype:
@@ -220,11 +290,11 @@ def pack(arrays: Sequence[Any], bucket: Any, *, offsets: Optional[Sequence[int]]
         TypeError: mixed array libraries or dtypes, or an unsupported dtype pair.
         ValueError: a non-contiguous array, or an array that does not fit in the bucket.
     """
-    array_dtype, offsets, sizes = _validate(arrays, bucket, offsets, "pack")
+    array_dtype, offsets, sizes, pointers = _validate(arrays, bucket, offsets, "pack")
     if not sizes:
         return bucket
     if _is_cupy(bucket):
-        _launch("bucket_pack", arrays, bucket, offsets, sizes, array_dtype, scale, None)
+        _launch("bucket_pack", pointers, bucket, offsets, sizes, array_dtype, scale, None)
         return bucket
     compute = _compute_dtype(array_dtype, _dtype_name(bucket.dtype))
     same = bucket.dtype == arrays[0].dtype
@@ -266,7 +336,7 @@ def unpack(bucket: Any, arrays: Sequence[Any], *, offsets: Optional[Sequence[int
     Raises:
         TypeError, ValueError: as for :func:`pack`; a found_inf that is not an int32 array.
     """
-    array_dtype, offsets, sizes = _validate(arrays, bucket, offsets, "unpack")
+    array_dtype, offsets, sizes, pointers = _validate(arrays, bucket, offsets, "unpack")
     _check_flag(found_inf, bucket)
     if loss_scale is not None:
         if not loss_scale or not np.isfinite(loss_scale):
@@ -275,7 +345,8 @@ def unpack(bucket: Any, arrays: Sequence[Any], *, offsets: Optional[Sequence[int
     if not sizes:
         return arrays
     if _is_cupy(bucket):
-        _launch("bucket_unpack", arrays, bucket, offsets, sizes, array_dtype, scale, found_inf)
+        _launch("bucket_unpack", pointers, bucket, offsets, sizes, array_dtype, scale,
+                found_inf)
         return arrays
     compute = _compute_dtype(array_dtype, _dtype_name(bucket.dtype))
     with np.errstate(over="ignore", invalid="ignore"):
@@ -439,14 +510,13 @@ def release_graph_tables() -> int:
     return count
 
 
-def _launch(name: str, arrays: Sequence[Any], bucket: Any, offsets: List[int], sizes: List[int],
+def _launch(name: str, pointers: List[int], bucket: Any, offsets: List[int], sizes: List[int],
             array_dtype: str, scale: float, found_inf: Any) -> None:
     cupy = cuda_env.cupy_module()
     bucket_dtype = _dtype_name(bucket.dtype)
     check = found_inf is not None
     device = bucket.data.device_id
     kernel = _kernel(device, name, array_dtype, bucket_dtype, check)
-    pointers = [array.data.ptr for array in arrays]
     with bucket.device:  # every allocation and launch below on the bucket's GPU
         stream = cupy.cuda.get_current_stream().ptr
         capturing = stream != 0 and cupy.cuda.runtime.streamIsCapturing(stream)

@@ -6,6 +6,7 @@ the CUDA kernels (``@pytest.mark.gpu``) where CuPy and a GPU are present.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,8 @@ SIZE_SETS = {
     "one": [1],
     "zeros-around": [0, 0, 5, 0],
     "odd": [7, 13, 1, 0, 1031],
-    "tile-edges": [4095, 4096, 4097, 8191, 3],
+    "tile-edges": [kernels.TILE_ELEMS - 1, kernels.TILE_ELEMS, kernels.TILE_ELEMS + 1,
+                   2 * kernels.TILE_ELEMS - 1, 3],
     "many-small": list(np.random.default_rng(1).integers(0, 300, 257)),
     "large": [1 << 18, 12345],
 }
@@ -260,7 +262,9 @@ def test_kernels_compile_with_nvcc(tmp_path, name, arch):
                    check=True, capture_output=True, timeout=120)
     text = ptx.read_text()
     assert text.count(".entry _Z") >= 6, "one entry point per dtype pair"
-    assert "v4.f32" in text and "v2.f64" in text, "16-byte vector accesses were generated"
+    # 16-byte accesses: as float4 / double2, or as four words with the cache hints
+    assert re.search(r"\.v4\.[fub]32\b", text) and re.search(r"\.v(2\.[fub]64|4\.[fub]32)\b", text), \
+        "16-byte vector accesses were generated"
     assert ".ftz" not in text, "flush-to-zero instructions would drop subnormals"
 
 

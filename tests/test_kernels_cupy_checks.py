@@ -44,7 +44,7 @@ def test_the_fast_path_agrees_with_the_full_checks():
     assert got[1] == [int(x) for x in np.cumsum([0] + sizes[:-1])]
     gaps = [int(x) + i for i, x in enumerate(np.cumsum([0] + sizes[:-1]))]  # one apart
     wide = _on(np.zeros(sum(sizes) + len(sizes), np.float32))
-    assert kernels._validate(arrays, wide, gaps, "pack")[1:] == (gaps, sizes)
+    assert kernels._validate(arrays, wide, gaps, "pack")[1:3] == (gaps, sizes)
 
 
 def test_every_error_is_still_named():
@@ -69,6 +69,61 @@ def test_every_error_is_still_named():
         kernels._validate(good, bucket, [0, -1], "pack")
     with pytest.raises(ValueError, match="got 1 offsets for 2 arrays"):
         kernels._validate(good, bucket, [0], "pack")
+
+
+def test_a_list_checked_before_is_not_checked_again(monkeypatch):
+    host = np.zeros(64, np.float32)
+    arrays, bucket = _arrays(host, [4, 8, 0, 5]), _on(np.zeros(32, np.float32))
+    first = kernels._validate(arrays, bucket, None, "pack")
+    assert first[3] == [a.data.ptr for a in arrays]
+
+    def checked_again(*args):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(kernels, "_check_arrays", checked_again)
+    assert kernels._validate(arrays, bucket, None, "pack") == first
+    assert kernels._validate(tuple(arrays), bucket, None, "pack") == first  # same objects
+    # the offsets are still checked at every call
+    with pytest.raises(ValueError, match=r"arrays\[3\] \(5 elements at offset 30\)"):
+        kernels._validate(arrays, bucket, [0, 4, 12, 30], "pack")
+    # another object in the list, another order, another GPU: checked in full
+    for other in ([*arrays[:3], _on(np.zeros(5, np.float32))], arrays[::-1]):
+        with pytest.raises(AssertionError, match="checked again"):
+            kernels._validate(other, bucket, None, "pack")
+    with pytest.raises(AssertionError, match="checked again"):
+        kernels._validate(arrays, _on(np.zeros(32, np.float32), device=1), None, "pack")
+
+
+def test_a_list_checked_before_still_names_a_new_error():
+    host = np.zeros(64, np.float32)
+    arrays, bucket = _arrays(host, [4, 4]), _on(np.zeros(32, np.float32))
+    kernels._validate(arrays, bucket, None, "pack")
+    arrays[1] = _on(host, shape=(4, 4))[:, ::2]  # the same list, an array that fails
+    with pytest.raises(ValueError, match=r"arrays\[1\] must be C-contiguous"):
+        kernels._validate(arrays, bucket, None, "pack")
+    with pytest.raises(ValueError, match=r"arrays\[0\] is on device 0, the bucket on device 1"):
+        kernels._validate(arrays[:1], _on(np.zeros(32, np.float32), device=1), None, "pack")
+
+
+def test_the_record_keeps_no_array_alive():
+    import gc
+    import weakref
+
+    host = np.zeros(64, np.float32)
+    arrays, bucket = _arrays(host, [4, 4]), _on(np.zeros(32, np.float32))
+    kernels._validate(arrays, bucket, None, "pack")
+    refs = [weakref.ref(a) for a in arrays]
+    key = tuple(map(id, arrays))
+    assert key in kernels._CHECKED
+    del arrays
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+    stale = kernels._CHECKED[key]
+    assert [ref() for ref in stale.refs] == [None, None]
+    # new arrays that got the ids of the dead ones (as CPython may give them) do not match it
+    fresh = _arrays(host, [4, 4])
+    kernels._CHECKED[tuple(map(id, fresh))] = stale
+    assert kernels._checked_before(fresh, 0) is None
 
 
 class _Uploads:

@@ -28,6 +28,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_host",
                       "kernels_host.cpp")
 PAIRS = sorted(kernels.SUPPORTED_PAIRS)
 GUARD = 5  # poisoned elements before and after every array
+TILE = kernels.TILE_ELEMS  # elements one block copies: sizes around it cross tile edges
 
 
 def _dtype(name):
@@ -73,13 +74,13 @@ class HostKernels:
             self.launches += 1
 
     def pack(self, arrays, bucket, offsets=None, scale=1.0):
-        array_dtype, offsets, sizes = kernels._validate(arrays, bucket, offsets, "pack")
+        array_dtype, offsets, sizes, _ = kernels._validate(arrays, bucket, offsets, "pack")
         if sizes:
             self._run("pack", array_dtype, bucket.dtype.name, arrays, bucket, offsets, sizes,
                       scale, None)
 
     def unpack(self, bucket, arrays, offsets=None, scale=1.0, loss_scale=None, found_inf=None):
-        array_dtype, offsets, sizes = kernels._validate(arrays, bucket, offsets, "unpack")
+        array_dtype, offsets, sizes, _ = kernels._validate(arrays, bucket, offsets, "unpack")
         if loss_scale is not None:
             scale = scale / float(loss_scale)  # as kernels.unpack folds it
         if sizes:
@@ -177,7 +178,8 @@ def guarded_arrays(layout, dtype, values=None):
 def random_case(rng, array_dtype, bucket_dtype, n_arrays, specials):
     """A random work list: (layout, source arrays, bucket offsets, bucket size)."""
     sizes = [int(s) for s in rng.choice(
-        [0, 1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 100, 1000, 4095, 4096, 4097, 8200, 9001],
+        [0, 1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 100, 1000, TILE - 1, TILE, TILE + 1,
+         2 * TILE + 8, 2 * TILE + 809],
         size=n_arrays)]
     layout = [(size, int(rng.integers(0, 4))) for size in sizes]
     values = random_values(rng, sum(sizes), array_dtype, specials)
