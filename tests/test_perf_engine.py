@@ -202,6 +202,31 @@ def test_plot_axis_reads_binary_units():
         plt.close(figure)
 
 
+def test_a_one_rank_plot_shows_the_out_of_place_algorithm_bandwidth():
+    """One rank: busbw is 0 by definition and in-place moves nothing; the plot shows what the
+    out-of-place call copies per second."""
+    pytest.importorskip("matplotlib")
+    sizes = (8, 1 << 10, 1 << 20)
+    rows = [_row(size=size, backend="nccl", out={"time_us": 10.0, "algbw": size / 1e4,
+                                                 "busbw": 0.0, "wrong": 0},
+                 **{"in": {"time_us": 5.0, "algbw": size / 5e3, "busbw": 0.0, "wrong": 0}})
+            for size in sizes]
+    for nranks, ys, ylabel in ((1, [size / 1e4 for size in sizes], "algorithm bandwidth"),
+                               (2, [0.0] * 3, "bus bandwidth")):
+        info = {"nranks": nranks, "backend": "nccl", "labels": [None], "machine": {"host": "h"}}
+        figure = perf.make_figure(rows, None, info)
+        try:
+            axes = figure.axes[0]
+            (line,) = axes.get_lines()
+            assert list(line.get_ydata()) == ys
+            assert axes.get_ylabel().startswith(ylabel)
+            assert ("out-of-place" if nranks == 1 else "in-place") in line.get_label()
+        finally:
+            import matplotlib.pyplot as plt
+
+            plt.close(figure)
+
+
 def test_bfloat16_avg_divides_instead_of_truncating():
     from gpucoll.types import finish_avg
 

@@ -1,5 +1,9 @@
 """``gpucoll bench --plot``: bus bandwidth against size, one line per collective and variant.
 
+On one rank the bus bandwidth is 0 by definition (no data crosses between ranks) and an
+in-place collective moves no data at all, so a one-rank plot shows the algorithm bandwidth of
+the out-of-place call (a local copy: what the device or host copies per second).
+
 The title names the ranks, backend, transports and host; the x axis is logarithmic (base 2)
 with sizes written as B, KiB, MiB and GiB. matplotlib is optional (``pip install 'gpucoll[plot]'``).
 """
@@ -40,26 +44,29 @@ def make_figure(rows: Sequence[Dict[str, Any]], compare: Optional[str], info: Di
     plt = require_matplotlib()
     figure, axes = plt.subplots(figsize=(8, 5))
     labels = info.get("labels") or [None]
+    one_rank = info.get("nranks") == 1
+    metric = "algbw" if one_rank else "busbw"
     for name in dict.fromkeys(r["collective"] for r in rows):
         coll = COLLECTIVES[name]
-        mode = coll.gloo_mode
+        mode = "out" if one_rank else coll.gloo_mode
         place = "in-place" if mode == "in" else "out-of-place"
         for label in labels:
             key = mode if len(labels) == 1 else f"{label}/{mode}"
             mine = [r for r in rows if r["collective"] == name and r.get(key) and r["size"] > 0]
             if mine:
                 which = f"{label}, " if label else ""
-                axes.plot([r["size"] for r in mine], [r[key]["busbw"] for r in mine], marker="o",
+                axes.plot([r["size"] for r in mine], [r[key][metric] for r in mine], marker="o",
                           label=f"{name} ({which}{mine[0].get('backend')}, {place})")
         theirs = [r for r in rows if r["collective"] == name and r.get("gloo") and r["size"] > 0]
         if compare and theirs:
-            axes.plot([r["size"] for r in theirs], [r["gloo"]["busbw"] for r in theirs],
+            axes.plot([r["size"] for r in theirs], [r["gloo"][metric] for r in theirs],
                       marker="x", linestyle="--", label=f"{name} ({compare})")
     axes.set_xscale("log", base=2)
     axes.xaxis.set_major_locator(LogLocator(base=4))
     axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: size_label(value)))
     axes.set_xlabel("size")
-    axes.set_ylabel("bus bandwidth (GB/s)")
+    axes.set_ylabel("algorithm bandwidth, one rank (GB/s)" if one_rank
+                    else "bus bandwidth (GB/s)")
     axes.set_title(plot_title(info))
     axes.grid(True, which="both", alpha=0.3)
     if axes.get_legend_handles_labels()[0]:
@@ -71,7 +78,8 @@ def make_figure(rows: Sequence[Dict[str, Any]], compare: Optional[str], info: Di
 
 def write_plot(path: str, rows: Sequence[Dict[str, Any]], compare: Optional[str],
                info: Optional[Dict[str, Any]] = None) -> None:
-    """Save busbw against size as ``path`` (PNG, or any format matplotlib knows by suffix)."""
+    """Save busbw (one rank: algbw) against size as ``path`` (PNG, or any format matplotlib
+    knows by suffix)."""
     plt = require_matplotlib()
     figure = make_figure(rows, compare, info or {})
     figure.savefig(path, dpi=120)
