@@ -84,6 +84,10 @@ def main(argv=None) -> int:
         checked = kernels._validate(arrays, bucket, None, "pack")
         offsets, sizes = checked[1], checked[2]
         pointers = checked[3] if len(checked) > 3 else [a.data.ptr for a in arrays]
+        if hasattr(kernels, "_planned"):  # launches remembered (absent in older trees)
+            for _n, _grid, table, content in kernels._planned(pointers, offsets, sizes):
+                kernels._device_table(upload, 0, 0, table, content)
+            return
         for _n, _grid, table in kernels.work_tables(pointers, offsets, sizes):
             if hasattr(kernels, "_device_table"):
                 kernels._device_table(upload, 0, 0, table)

@@ -141,12 +141,14 @@ CHECKED_KEPT = 64
 class _Checked:
     """What the checks found for one list of CuPy arrays."""
 
-    __slots__ = ("refs", "device", "dtype", "sizes", "pointers")
+    __slots__ = ("refs", "device", "dtype", "sizes", "pointers", "placed")
 
     def __init__(self, arrays: Sequence[Any], device: int, dtype: str, sizes: np.ndarray):
         self.refs = [weakref.ref(array) for array in arrays]  # never keeps an array alive
         self.device, self.dtype, self.sizes = device, dtype, sizes
         self.pointers = [array.data.ptr for array in arrays]
+        # {(offsets as a tuple, or None; bucket length): (offsets, sizes) as lists} that fit
+        self.placed: Dict[Tuple[Any, int], Tuple[List[int], List[int]]] = {}
 
 
 def _checked_before(arrays: Sequence[Any], device: int) -> Optional[_Checked]:
@@ -167,8 +169,8 @@ def _checked_before(arrays: Sequence[Any], device: int) -> Optional[_Checked]:
 
 
 def _remember_checked(arrays: Sequence[Any], device: int, dtype: str,
-                      sizes: np.ndarray) -> Optional[List[int]]:
-    """Remember that ``arrays`` passed the checks; returns their pointers."""
+                      sizes: np.ndarray) -> Optional[_Checked]:
+    """Remember that ``arrays`` passed the checks; returns the record (None: not kept)."""
     if type(arrays) not in (list, tuple):
         return None
     try:
@@ -181,7 +183,16 @@ def _remember_checked(arrays: Sequence[Any], device: int, dtype: str,
             _CHECKED.popitem(last=False)
     except KeyError:  # emptied by another thread meanwhile
         pass
-    return checked.pointers
+    return checked
+
+
+def _placement_key(offsets: Optional[Sequence[int]], length: int) -> Optional[Tuple[Any, int]]:
+    try:
+        key = (None if offsets is None else tuple(offsets), length)
+        hash(key)
+        return key
+    except TypeError:  # offsets that are not a sequence of ints: checked in full
+        return None
 
 
 def _validate(arrays: Sequence[Any], bucket: Any, offsets: Optional[Sequence[int]],
@@ -200,11 +211,30 @@ def _validate(arrays: Sequence[Any], bucket: Any, offsets: Optional[Sequence[int
         array_dtype, sizes_np, pointers = found.dtype, found.sizes, found.pointers
     else:
         array_dtype, sizes_np = _check_arrays(arrays, bucket, gpu, device, what)
-        pointers = _remember_checked(arrays, device, array_dtype, sizes_np) if gpu else None
-        if gpu and pointers is None:
-            pointers = [array.data.ptr for array in arrays]
+        found = _remember_checked(arrays, device, array_dtype, sizes_np) if gpu else None
+        pointers = found.pointers if found is not None else \
+            [array.data.ptr for array in arrays] if gpu else None
     if array_dtype is not None:
         _check_pair(array_dtype, _dtype_name(bucket.dtype))
+    # where these arrays go in a bucket of this length, found to fit before (a training step
+    # packs each bucket the same way at every step: its few small NumPy calls cost more than
+    # the rest of a small bucket's pack)
+    placement = _placement_key(offsets, bucket.size) if found is not None else None
+    placed = found.placed.get(placement) if placement is not None else None
+    if placed is not None:
+        return array_dtype or "", placed[0], placed[1], pointers
+    offsets, sizes = _place(offsets, sizes_np, bucket.size)
+    if placement is not None:
+        if len(found.placed) >= 16:  # buckets of ever new layouts: keep the newest few
+            found.placed.clear()
+        found.placed[placement] = (offsets, sizes)
+    return array_dtype or "", offsets, sizes, pointers
+
+
+def _place(offsets: Optional[Sequence[int]], sizes_np: np.ndarray,
+           length: int) -> Tuple[List[int], List[int]]:
+    """``(offsets, sizes)`` as lists of ints once every array fits in a bucket of ``length``
+    elements at its offset (default: back to back from 0)."""
     if offsets is None:
         offsets_np = np.zeros(len(sizes_np), dtype=np.int64)
         np.cumsum(sizes_np[:-1], out=offsets_np[1:])
@@ -212,13 +242,13 @@ def _validate(arrays: Sequence[Any], bucket: Any, offsets: Optional[Sequence[int
         raise ValueError(f"got {len(offsets)} offsets for {len(sizes_np)} arrays")
     else:
         offsets_np = np.asarray(offsets, dtype=np.int64)
-    outside = np.flatnonzero((offsets_np < 0) | (offsets_np + sizes_np > bucket.size))
+    outside = np.flatnonzero((offsets_np < 0) | (offsets_np + sizes_np > length))
     if outside.size:
         index = int(outside[0])
         raise ValueError(f"arrays[{index}] ({int(sizes_np[index])} elements at offset "
                          f"{int(offsets_np[index])}) does not fit in the bucket of "
-                         f"{bucket.size} elements")
-    return array_dtype or "", offsets_np.tolist(), sizes_np.tolist(), pointers
+                         f"{length} elements")
+    return offsets_np.tolist(), sizes_np.tolist()
 
 
 def _check_arrays(arrays: Sequence[Any], bucket: Any, gpu: bool, device: Optional[int],
@@ -417,10 +447,12 @@ def _kernel(device_id: int, name: str, array_dtype: str, bucket_dtype: str, chec
         return module.get_function(expression)
 
 
-def launch_plan(sizes: Sequence[int], tile: int = TILE_ELEMS) -> List[Tuple[int, int, np.ndarray]]:
+def launch_plan(sizes: Sequence[int], tile: Optional[int] = None) -> List[Tuple[int, int, np.ndarray]]:
     """Split arrays into launches: ``[(first, stop, block_start), ...]`` where ``block_start``
     is the prefix sum of ``ceil(size / tile)`` over ``sizes[first:stop]``; a launch carries at
-    most ``MAX_ARRAYS_PER_LAUNCH`` arrays and ``MAX_BLOCKS_PER_LAUNCH`` blocks."""
+    most ``MAX_ARRAYS_PER_LAUNCH`` arrays and ``MAX_BLOCKS_PER_LAUNCH`` blocks; ``tile``
+    defaults to ``TILE_ELEMS``."""
+    tile = TILE_ELEMS if tile is None else tile
     blocks = -(-np.asarray(sizes, dtype=np.int64) // tile)
     plan, first, n = [], 0, len(blocks)
     while first < n:
@@ -453,20 +485,52 @@ def work_tables(pointers: Sequence[int], offsets: Sequence[int],
                                                   block_start))
 
 
+#: Launches worked out before, newest last: {(pointers, offsets, sizes, tile): [(number of
+#: arrays, grid, work table, its bytes)]}. A training step packs each bucket from the same
+#: arrays at the same offsets at every step; the bytes' hash is computed once, where it is
+#: the key of the table on the GPU.
+_PLANS: "collections.OrderedDict[tuple, List[Tuple[int, int, np.ndarray, bytes]]]" = \
+    collections.OrderedDict()
+PLANS_KEPT = 64
+
+
+def _planned(pointers: Sequence[int], offsets: Sequence[int],
+             sizes: Sequence[int]) -> List[Tuple[int, int, np.ndarray, bytes]]:
+    """:func:`work_tables` of these arrays, each table with its bytes, remembered."""
+    key = (tuple(pointers), tuple(offsets), tuple(sizes), TILE_ELEMS)
+    found = _PLANS.get(key)
+    if found is not None:
+        try:
+            _PLANS.move_to_end(key)
+        except KeyError:  # evicted by another thread meanwhile: still valid
+            pass
+        return found
+    found = _PLANS[key] = [(n, grid, table, table.tobytes())
+                           for n, grid, table in work_tables(pointers, offsets, sizes)]
+    try:
+        while len(_PLANS) > PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    except KeyError:  # emptied by another thread meanwhile
+        pass
+    return found
+
+
 #: Work tables kept on the GPU, newest last: {(device, stream, table bytes): device array}.
 _TABLES: "collections.OrderedDict[Tuple[int, int, bytes], Any]" = collections.OrderedDict()
 #: How many: a training step packs and unpacks a few buckets, each with its own table.
 TABLES_KEPT = 64
 
 
-def _device_table(cupy: Any, device: int, stream: int, table: np.ndarray) -> Any:
+def _device_table(cupy: Any, device: int, stream: int, table: np.ndarray,
+                  content: Optional[bytes] = None) -> Any:
     """``table`` on the GPU, uploaded once per (device, stream, content) and then reused.
 
     The upload is a copy from pageable memory, which first waits for everything queued on the
     stream: done at every call, it made ``pack`` wait for the backward pass it should overlap.
     Arrays at the same addresses (a memory pool's usual reuse) give the same table. Keyed by
-    stream too, so the memory of an evicted table is reused only in that stream's order."""
-    key = (device, stream, table.tobytes())
+    stream too, so the memory of an evicted table is reused only in that stream's order.
+    ``content``: ``table.tobytes()``, when the caller has it."""
+    key = (device, stream, table.tobytes() if content is None else content)
     found = _TABLES.get(key)
     if found is not None:
         _TABLES.move_to_end(key)
@@ -483,12 +547,13 @@ _GRAPH_TABLES: Dict[Tuple[int, bytes], Any] = {}
 _UPLOAD_STREAMS: Dict[int, Any] = {}  # per GPU: where tables for a capture are uploaded
 
 
-def _graph_table(cupy: Any, device: int, table: np.ndarray) -> Any:
+def _graph_table(cupy: Any, device: int, table: np.ndarray,
+                 content: Optional[bytes] = None) -> Any:
     """``table`` on the GPU for a launch being captured into a CUDA graph, kept until
     :func:`release_graph_tables`. Uploaded on a stream of its own that is not capturing, and
     waited for there: the copy from host memory cannot be part of the capture (CUDA refuses
     it, or the graph would read CuPy's reused staging memory at each replay)."""
-    key = (device, table.tobytes())
+    key = (device, table.tobytes() if content is None else content)
     found = _GRAPH_TABLES.get(key)
     if found is None:
         side = _UPLOAD_STREAMS.get(device)
@@ -520,9 +585,9 @@ def _launch(name: str, pointers: List[int], bucket: Any, offsets: List[int], siz
     with bucket.device:  # every allocation and launch below on the bucket's GPU
         stream = cupy.cuda.get_current_stream().ptr
         capturing = stream != 0 and cupy.cuda.runtime.streamIsCapturing(stream)
-        for n_arrays, grid, table in work_tables(pointers, offsets, sizes):
-            on_gpu = _graph_table(cupy, device, table) if capturing else \
-                _device_table(cupy, device, stream, table)
+        for n_arrays, grid, table, content in _planned(pointers, offsets, sizes):
+            on_gpu = _graph_table(cupy, device, table, content) if capturing else \
+                _device_table(cupy, device, stream, table, content)
             args = [on_gpu, np.int32(n_arrays),
                     np.int64(TILE_ELEMS), bucket, np.float64(scale)]
             if name == "bucket_unpack":  # the flag; null for the variant that never reads it

@@ -94,6 +94,43 @@ def test_a_list_checked_before_is_not_checked_again(monkeypatch):
         kernels._validate(arrays, _on(np.zeros(32, np.float32), device=1), None, "pack")
 
 
+def test_a_placement_found_to_fit_before_is_not_worked_out_again(monkeypatch):
+    host = np.zeros(64, np.float32)
+    arrays, bucket = _arrays(host, [4, 8, 5]), _on(np.zeros(32, np.float32))
+    first = kernels._validate(arrays, bucket, [0, 4, 12], "pack")
+    default = kernels._validate(arrays, bucket, None, "pack")
+    assert first[1:3] == ([0, 4, 12], [4, 8, 5]) and default[1] == [0, 4, 12]
+
+    def placed_again(*args):
+        raise AssertionError("placed again")
+
+    monkeypatch.setattr(kernels, "_place", placed_again)
+    assert kernels._validate(arrays, bucket, (0, 4, 12), "pack") == first  # same content
+    assert kernels._validate(arrays, bucket, None, "pack") == default
+    # other offsets, another bucket length, a list not checked before: worked out again
+    for other_arrays, other_bucket, offsets in (
+            (arrays, bucket, [0, 4, 13]), (arrays, _on(np.zeros(31, np.float32)), [0, 4, 12]),
+            (arrays[:2], bucket, [0, 4])):
+        with pytest.raises(AssertionError, match="placed again"):
+            kernels._validate(other_arrays, other_bucket, offsets, "pack")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"arrays\[2\] \(5 elements at offset 28\)"):
+        kernels._validate(arrays, bucket, [0, 4, 28], "pack")  # still checked
+
+
+def test_launches_worked_out_before_are_reused():
+    pointers, offsets, sizes = [4096, 8192, 12288], [0, 8, 100], [5, 0, 9000]
+    plan = kernels._planned(pointers, offsets, sizes)
+    expected = list(kernels.work_tables(pointers, offsets, sizes))
+    assert [(n, grid) for n, grid, _, _ in plan] == [(n, grid) for n, grid, _ in expected]
+    for (_, _, table, content), (_, _, reference) in zip(plan, expected):
+        np.testing.assert_array_equal(table, reference)
+        assert content == reference.tobytes()
+    assert kernels._planned(list(pointers), tuple(offsets), sizes) is plan
+    assert kernels._planned(pointers, [0, 8, 101], sizes) is not plan
+    assert kernels._planned([4096, 8192, 12289], offsets, sizes) is not plan
+
+
 def test_a_list_checked_before_still_names_a_new_error():
     host = np.zeros(64, np.float32)
     arrays, bucket = _arrays(host, [4, 4]), _on(np.zeros(32, np.float32))
