@@ -129,6 +129,23 @@ def bucket_offsets(sizes: Sequence[int], itemsize: int, align_bytes: int = 16) -
     return offsets, position
 
 
+def _touch(cache: "collections.OrderedDict", key: Any) -> None:
+    """Mark ``key`` of a cache newest (evicted by another thread meanwhile: nothing to do)."""
+    try:
+        cache.move_to_end(key)
+    except KeyError:
+        pass
+
+
+def _keep_newest(cache: "collections.OrderedDict", kept: int) -> None:
+    """Evict a cache's oldest entries beyond ``kept`` (other threads may evict meanwhile)."""
+    try:
+        while len(cache) > kept:
+            cache.popitem(last=False)
+    except KeyError:
+        pass
+
+
 #: Lists of CuPy arrays that passed the checks, {ids: _Checked}, newest last: a training step
 #: packs and unpacks the same gradients at every step, and a CuPy array's type, dtype, memory,
 #: size, contiguity and device never change (only its shape can be set, to one of the same size
@@ -161,10 +178,7 @@ def _checked_before(arrays: Sequence[Any], device: int) -> Optional[_Checked]:
     if found is None or found.device != device or \
             not all(map(operator.is_, [ref() for ref in found.refs], arrays)):
         return None
-    try:
-        _CHECKED.move_to_end(key)
-    except KeyError:  # evicted by another thread meanwhile: still valid
-        pass
+    _touch(_CHECKED, key)
     return found
 
 
@@ -178,15 +192,12 @@ def _remember_checked(arrays: Sequence[Any], device: int, dtype: str,
     except TypeError:  # an array type without weak references: checked at every call
         return None
     _CHECKED[tuple(map(id, arrays))] = checked
-    try:
-        while len(_CHECKED) > CHECKED_KEPT:
-            _CHECKED.popitem(last=False)
-    except KeyError:  # emptied by another thread meanwhile
-        pass
+    _keep_newest(_CHECKED, CHECKED_KEPT)
     return checked
 
 
 def _placement_key(offsets: Optional[Sequence[int]], length: int) -> Optional[Tuple[Any, int]]:
+    """The key of ``_Checked.placed`` for these offsets and bucket length (None: unhashable)."""
     try:
         key = (None if offsets is None else tuple(offsets), length)
         hash(key)
@@ -500,18 +511,11 @@ def _planned(pointers: Sequence[int], offsets: Sequence[int],
     key = (tuple(pointers), tuple(offsets), tuple(sizes), TILE_ELEMS)
     found = _PLANS.get(key)
     if found is not None:
-        try:
-            _PLANS.move_to_end(key)
-        except KeyError:  # evicted by another thread meanwhile: still valid
-            pass
+        _touch(_PLANS, key)
         return found
     found = _PLANS[key] = [(n, grid, table, table.tobytes())
                            for n, grid, table in work_tables(pointers, offsets, sizes)]
-    try:
-        while len(_PLANS) > PLANS_KEPT:
-            _PLANS.popitem(last=False)
-    except KeyError:  # emptied by another thread meanwhile
-        pass
+    _keep_newest(_PLANS, PLANS_KEPT)
     return found
 
 
@@ -533,11 +537,10 @@ def _device_table(cupy: Any, device: int, stream: int, table: np.ndarray,
     key = (device, stream, table.tobytes() if content is None else content)
     found = _TABLES.get(key)
     if found is not None:
-        _TABLES.move_to_end(key)
+        _touch(_TABLES, key)
         return found
     found = _TABLES[key] = cupy.asarray(table)
-    while len(_TABLES) > TABLES_KEPT:
-        _TABLES.popitem(last=False)
+    _keep_newest(_TABLES, TABLES_KEPT)
     return found
 
 
