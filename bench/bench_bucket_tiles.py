@@ -126,12 +126,9 @@ def main(argv=None) -> int:
             for (unroll, hint), fn in functions.items():
                 cells = []
                 for tile in tiles:
-                    (_, _, block_start), = kernels.launch_plan(sizes, tile)
                     pointers = [a.data.ptr for a in (arrays if pack else outs)]
-                    table = cupy.asarray(np.concatenate((
-                        np.asarray(pointers, np.uint64).view(np.int64),
-                        np.asarray(offsets, np.int64), np.asarray(sizes, np.int64), block_start)))
-                    grid = int(block_start[-1])
+                    (_, grid, table), = kernels.work_tables(pointers, offsets, sizes, tile)
+                    table = cupy.asarray(table)
                     launch_args = [table, np.int32(len(sizes)), np.int64(tile), bucket,
                                    np.float64(scale)]
                     if not pack:

@@ -479,15 +479,15 @@ def launch_plan(sizes: Sequence[int], tile: Optional[int] = None) -> List[Tuple[
     return plan
 
 
-def work_tables(pointers: Sequence[int], offsets: Sequence[int],
-                sizes: Sequence[int]) -> Iterator[Tuple[int, int, np.ndarray]]:
+def work_tables(pointers: Sequence[int], offsets: Sequence[int], sizes: Sequence[int],
+                tile: Optional[int] = None) -> Iterator[Tuple[int, int, np.ndarray]]:
     """The launches for arrays at ``pointers`` (addresses): ``(number of arrays, grid, work
     table)`` per launch, the int64 table laid out as ``kernels/common.cuh`` describes; launches
-    of zero-length arrays only are left out."""
+    of zero-length arrays only are left out; ``tile`` as for :func:`launch_plan`."""
     pointers_np = np.asarray(pointers, dtype=np.uint64).view(np.int64)
     offsets_np = np.asarray(offsets, dtype=np.int64)
     sizes_np = np.asarray(sizes, dtype=np.int64)
-    for first, stop, block_start in launch_plan(sizes):
+    for first, stop, block_start in launch_plan(sizes, tile):
         grid = int(block_start[-1])
         if grid == 0:
             continue
