@@ -108,6 +108,9 @@ class BatchOpWork(Work):
         self._batch, self.index, self.kind, self.peer = batch, item.index, item.kind, item.peer
         self._result = item.array if item.kind == "recv" else None
 
+    def _trace_probe(self) -> Any:
+        return self._batch._trace_probe()
+
     def is_completed(self) -> bool:
         """True once the whole batch has finished (successfully or not); never blocks."""
         return self._batch.is_completed()

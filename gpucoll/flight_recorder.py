@@ -15,9 +15,10 @@ ranks' traces shows which rank is behind, and at which call.
   receives) it is built on: a hang inside one shows both the call and the step.
 - A usage error (``ValueError``, ``TypeError``, ``UnsupportedOperationError``) raised before
   anything was issued is not an operation: its record is withdrawn and its number reused.
-- An asynchronous operation keeps its ``Work``; its state is read when the trace is read
-  (``Work.is_completed()`` never blocks), and the first read that sees it finished sets its
-  finish time. No thread, no callback.
+- An asynchronous operation keeps its ``Work``'s probe (``Work._trace_probe()``: the Work's
+  ``is_completed()`` and ``exception()`` without its result, so a record never keeps the
+  caller's arrays alive); its state is read when the trace is read (never blocking), and the
+  first read that sees it finished sets its finish time. No thread, no callback.
 - A blocking call is done or failed when it returns or raises. On a GPU backend, where a call
   returns once it is enqueued on the stream, the backend leaves ``comm._enqueued`` (with a
   Work's ``is_completed()`` / ``exception()``; None otherwise) during the call, which the
@@ -164,9 +165,9 @@ def traced(describe: Callable[..., tuple], *, returns_works: bool = False,
             if enqueued is not None:
                 self._enqueued = None
             if isinstance(result, Work):
-                record[_WORK] = result
+                record[_WORK] = result._trace_probe()  # not the Work: it holds the arrays
             elif returns_works and result:
-                record[_WORK] = result[0]  # each stands for the whole batch
+                record[_WORK] = result[0]._trace_probe()  # each stands for the whole batch
             elif enqueued is CAPTURED:
                 record[_FINISHED] = _now()
                 record[_STATE] = _CAPTURED

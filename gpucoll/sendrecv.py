@@ -56,6 +56,26 @@ def _cause(errors: List[BaseException]) -> BaseException:
     return errors[0]
 
 
+class GroupProbe:
+    """The trace probe of a :class:`GroupWork`: its parts' probes, answered as the group
+    answers (finished once all are; the error that failed the group)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: Sequence[Any]):
+        self._parts = tuple(parts)
+
+    def is_completed(self) -> bool:
+        return all(part.is_completed() for part in self._parts)
+
+    def exception(self) -> Optional[BaseException]:
+        if not self.is_completed():
+            return None
+        errors = [error for error in (part.exception() for part in self._parts)
+                  if error is not None]
+        return _cause(errors) if errors else None
+
+
 class GroupWork(Work):
     """The ``Work`` of point-to-point operations issued together (``sendrecv``,
     ``batch_isend_irecv``): finished once all of them are, and as :mod:`gpucoll.work` says:
@@ -68,6 +88,9 @@ class GroupWork(Work):
         super().__init__(op, parts[0].seq, parts[0].rank,
                          max(part._default_timeout for part in parts))
         self._parts = tuple(parts)
+
+    def _trace_probe(self) -> GroupProbe:
+        return GroupProbe([part._trace_probe() for part in self._parts])
 
     def is_completed(self) -> bool:
         """True once every part has finished (successfully or not)."""

@@ -15,11 +15,49 @@ Every wait is bounded: ``wait(timeout)`` raises ``CommTimeoutError`` after ``tim
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 from .errors import CommTimeoutError
 
-__all__ = ["Work"]
+__all__ = ["Work", "WorkOutcome", "LiveProbe"]
+
+
+class WorkOutcome:
+    """How a Work that the host completes (``_finish``) ended, without its result: what the
+    flight recorder keeps of it, so that a record never keeps the operation's arrays alive."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def exception(self) -> Optional[BaseException]:
+        return self.error if self.done.is_set() else None
+
+
+class LiveProbe:
+    """The trace probe of a Work whose ``is_completed()`` makes progress (tests an MPI
+    request): asks the Work while the caller still holds it, and its outcome once it is gone
+    (a Work dropped unfinished stays pending: nobody completes it)."""
+
+    __slots__ = ("_work", "_outcome")
+
+    def __init__(self, work: "Work"):
+        self._work = weakref.ref(work)
+        self._outcome = work._outcome
+
+    def is_completed(self) -> bool:
+        work = self._work()
+        return self._outcome.is_completed() if work is None else work.is_completed()
+
+    def exception(self) -> Optional[BaseException]:
+        work = self._work()
+        return self._outcome.exception() if work is None else work.exception()
 
 
 class Work:
@@ -30,12 +68,16 @@ class Work:
         seq: its sequence number on the communicator.
     """
 
+    _host_completion = True  # completion is a threading.Event that _finish sets
+
     def __init__(self, op: str, seq: int, rank: int, default_timeout: float,
                  on_timeout: Optional[Callable[[str], None]] = None):
         self.op, self.seq, self.rank = op, seq, rank
         self._default_timeout = default_timeout
         self._on_timeout = on_timeout
-        self._done = threading.Event()
+        # set by _finish; None where a subclass tells completion otherwise (a CUDA event)
+        self._outcome = WorkOutcome() if self._host_completion else None
+        self._done = self._outcome.done if self._host_completion else None
         self._result: Any = None
         self._exception: Optional[BaseException] = None
         self._map: Optional[Callable[[Any], Any]] = None  # result -> what the caller passed
@@ -43,7 +85,14 @@ class Work:
     # called by the backend -------------------------------------------------
     def _finish(self, result: Any = None, exception: Optional[BaseException] = None) -> None:
         self._result, self._exception = result, exception
+        self._outcome.error = exception
         self._done.set()
+
+    def _trace_probe(self) -> Any:
+        """What the flight recorder keeps of this operation to tell its state when the trace
+        is read: ``is_completed()`` and ``exception()``, never blocking, holding none of its
+        arrays (a record outlives the call; the Work keeps its result for ``result()``)."""
+        return self._outcome
 
     # public ------------------------------------------------------------------
     def is_completed(self) -> bool:

@@ -163,6 +163,56 @@ def test_the_buffer_keeps_the_last_operations(pool, buffer_setting):
         assert records == []
 
 
+def rank_async_records_keep_no_arrays(comm, arr):
+    """Async operations of every kind, their Works waited for and dropped with the arrays:
+    what are the arrays' weak references, and the records' states, after that?"""
+    import gc
+    import weakref
+
+    import gpucoll
+
+    n, r = comm.size, comm.rank
+    sub = _fresh(comm, 256)
+    refs = []
+
+    def issue():
+        x = arr.dev(np.ones(1000, np.float32))
+        gathered = arr.zeros((n, 1000), "float32")
+        works = [sub.all_reduce(x, async_op=True),
+                 sub.all_gather(x, out=gathered, async_op=True)]
+        if n > 1:
+            right, left = (r + 1) % n, (r - 1) % n
+            sent, got = arr.dev(np.full(8, r, np.int64)), arr.zeros((8,), "int64")
+            works += sub.batch_isend_irecv([gpucoll.P2POp("recv", got, left),
+                                            gpucoll.P2POp("send", sent, right)])
+            refs.extend([weakref.ref(sent), weakref.ref(got)])
+        refs.extend([weakref.ref(x), weakref.ref(gathered)])
+        for work in works:
+            work.wait()
+            if hasattr(work, "synchronize"):
+                work.synchronize()
+
+    issue()  # its arrays and Works are gone with its frame
+    sub.barrier()
+    gc.collect()
+    alive = [ref() is not None for ref in refs]
+    states = [(e["op"], e["state"]) for e in sub.trace()]
+    sub.close()
+    return alive, states
+
+
+def test_async_records_do_not_keep_the_arrays_alive(pool, buffer_setting):
+    """A record keeps its Work's probe, not the Work with its result: once the caller drops
+    an async operation's arrays and Work, nothing of gpucoll keeps them (the trace buffer
+    holds hundreds of records, which would otherwise hold as many arrays)."""
+    n = pool.world_size
+    for r, (alive, states) in enumerate(pool.run(rank_async_records_keep_no_arrays)):
+        assert alive == [False] * (4 if n > 1 else 2), f"rank {r}: {alive}"
+        ops = ["barrier", "all_reduce", "all_gather"] + \
+            (["batch_isend_irecv"] if n > 1 else []) + ["barrier"]
+        assert states == [(op, "done") for op in ops], f"rank {r}: {states}"
+
+
 # ---------------------------------------------------------------- a real hang, dumped
 def rank_dumps_a_healthy_run(comm, arr, directory):
     sub = _fresh(comm, 256)

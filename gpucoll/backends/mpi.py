@@ -44,7 +44,7 @@ from ..errors import (CollectiveMismatchError, CommAbortedError, CommTimeoutErro
                       PeerError)
 from ..hostarrays import host_view, like_caller
 from ..types import ReduceOp, finish_avg
-from ..work import Work
+from ..work import LiveProbe, Work
 from . import mpi_types, signature
 from .mpi_blocking import BlockingWatchdog
 from .mpi_scan import MPIPrefixReductions
@@ -104,6 +104,9 @@ class MPIWork(Work):
                 self._finish(exception=exc)
             else:
                 self._finish(result)
+
+    def _trace_probe(self) -> LiveProbe:
+        return LiveProbe(self)  # reading the trace tests the request while the Work lives
 
     def is_completed(self) -> bool:
         """True once the request has completed (tests it; never blocks)."""

@@ -302,7 +302,7 @@ class NCCLCommunicator(OnePassCalls, NCCLCollectives, GraphLaunches, ProgressRep
             return result
         self._track(pending, ptr)
         if async_op:
-            return CudaWork(self, name, number, pending.event, result, peer)
+            return CudaWork(self, name, number, pending.event, result, peer, pending)
         self._enqueued = pending  # for the flight recorder's record
         return result
 

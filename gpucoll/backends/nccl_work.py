@@ -46,10 +46,16 @@ class EnqueuedCall(Pending):
 class CudaWork(Work):
     """``Work`` of an enqueued GPU operation, backed by a CUDA event (see module doc)."""
 
+    _host_completion = False  # the CUDA event tells: no threading.Event per call
+
     def __init__(self, comm: Any, op: str, seq: int, event: Any, result: Any,
-                 peer: Optional[int] = None):
+                 peer: Optional[int] = None, probe: Optional[EnqueuedCall] = None):
         super().__init__(op, seq, comm.rank, comm.timeout)
         self._comm, self._event, self._result, self._peer = comm, event, result, peer
+        self._probe = probe  # the watchdog's entry of the call: what its trace record keeps
+
+    def _trace_probe(self) -> Any:
+        return self._probe if self._probe is not None else self
 
     def is_completed(self) -> bool:
         """True once the operation finished on the GPU, or the communicator failed."""

@@ -47,6 +47,7 @@ class WorkerThreads:
         job = self._jobs.get()
         while True:
             job()  # jobs report their own errors (to their Work); one must never end the thread
+            job = None  # a finished job holds its Work and arrays: not kept while idle
             with self._lock:
                 self._idle += 1
             while True:
