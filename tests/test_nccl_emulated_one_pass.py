@@ -116,8 +116,8 @@ def _name(op):
 
 
 def test_calls_the_one_pass_path_leaves_to_the_general_path(run, emu, monkeypatch):
-    """After float32 / sum is known: out=, async_op, an explicit stream, a strided array, an
-    array on another GPU, another current device, GPUCOLL_DEBUG, a closed communicator."""
+    """After float32 / sum is known: out=, an explicit stream, a strided array, an array on
+    another GPU, another current device, GPUCOLL_DEBUG, a closed communicator."""
     cp = emu.cupy
 
     def outcome(call):
@@ -141,7 +141,6 @@ def test_calls_the_one_pass_path_leaves_to_the_general_path(run, emu, monkeypatc
         cases = [
             lambda: comm.all_reduce(cp.ones(4, dtype=cp.float32),
                                     out=cp.zeros(4, dtype=cp.float32)),
-            lambda: comm.all_reduce(cp.ones(4, dtype=cp.float32), async_op=True),
             lambda: comm.all_reduce(cp.ones(4, dtype=cp.float32), stream=cp.cuda.Stream()),
             lambda: comm.all_reduce(cp.ones((4, 4), dtype=cp.float32)[:, ::2]),
             lambda: comm.all_reduce(elsewhere),
@@ -163,13 +162,74 @@ def test_calls_the_one_pass_path_leaves_to_the_general_path(run, emu, monkeypatc
     for results, _ in outcomes.values():
         for rank, (seen, records, left_alone) in enumerate(results):
             assert left_alone == 0
-            assert seen[:3] == [[2.0] * 4] * 3, seen
-            assert seen[3] == [[2.0, 2.0]] * 4 or seen[3][0] == "ValueError", seen[3]
-            assert seen[4][0] == "ValueError" and "is on GPU" in seen[4][1], seen[4]
-            assert seen[5:7] == [[4.0] * 4, [2.0] * 4], seen
-            assert seen[7] == ("CommAbortedError", f"rank {rank}: communicator is closed")
+            assert seen[:2] == [[2.0] * 4] * 2, seen
+            assert seen[2] == [[2.0, 2.0]] * 4 or seen[2][0] == "ValueError", seen[2]
+            assert seen[3][0] == "ValueError" and "is on GPU" in seen[3][1], seen[3]
+            assert seen[4:6] == [[4.0] * 4, [2.0] * 4], seen
+            assert seen[6] == ("CommAbortedError", f"rank {rank}: communicator is closed")
             assert all(r[1] == "all_reduce" and r[2] == "done" for r in records), records
     assert outcomes["one-pass"][0] == outcomes["general"][0]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_async_calls_take_the_one_pass_path_with_the_general_paths_works(run, emu, n,
+                                                                           monkeypatch):
+    """``async_op=True`` (how a data-parallel step issues its buckets) on all_reduce,
+    broadcast, all_gather and reduce_scatter: each returns a CudaWork whose result is the
+    caller's array; results against NumPy; records, sequence numbers and NCCL calls against
+    the general path; each Work keeps its own event, which never goes back to the pool."""
+    monkeypatch.setenv("GPUCOLL_TRACE_BUFFER", "64")
+    cp = emu.cupy
+
+    def fn(comm, taken):
+        r = comm.rank
+        comm.all_reduce(cp.ones(2, dtype=cp.float32))  # starts the recorder
+        works, got = [], []
+        for i in range(2):
+            x = cp.asarray(np.arange(4.0, dtype=np.float32) * (r + 1) + i)
+            b = cp.asarray(np.arange(3.0) + i if r == n - 1 else np.zeros(3))
+            chunk, out = cp.full(2, r + i, dtype=cp.int32), cp.zeros((n, 2), dtype=cp.int32)
+            rows, part = cp.asarray(np.ones((n, 2), np.float32) * (r + i)), \
+                cp.zeros(2, dtype=cp.float32)
+            calls = [(comm.all_reduce(x, "max", async_op=True), x),
+                     (comm.broadcast(b, n - 1, async_op=True), b),
+                     (comm.all_gather(chunk, out=out, async_op=True), out),
+                     (comm.reduce_scatter(rows, out=part, async_op=True), part)]
+            for work, array in calls:
+                assert type(work).__name__ == "CudaWork"
+                works.append(work)
+                assert work.wait() is True and work.result() is array
+                got.append(array.get())
+        comm.synchronize()
+        comm._watchdog.poll(time.monotonic())  # releases what completed
+        assert all(work.is_completed() and work.exception() is None for work in works)
+        pool = {id(event) for event in comm._events}
+        kept = [id(work._event) in pool for work in works]
+        return got, kept, _records(comm), comm._seq, _nccl_calls(emu, comm)
+
+    outcomes = _paths(monkeypatch, run, n, fn)
+    for results, _ in outcomes.values():  # against NumPy
+        for got, kept, *_ in results:
+            expected = []
+            for i in range(2):
+                expected += [np.arange(4.0) * n + i, np.arange(3.0) + i,
+                             np.stack([np.full(2, q + i) for q in range(n)]),
+                             np.full(2, sum(q + i for q in range(n)))]
+            assert len(got) == len(expected)
+            for value, want in zip(got, expected):
+                np.testing.assert_allclose(value, want, rtol=1e-6)
+            assert kept == [False] * 8, kept
+    (results, taken), (general, untaken) = outcomes["one-pass"], outcomes["general"]
+    assert untaken == []
+    for r in range(n):  # each kind after its first call at least
+        kinds = collections.Counter(op for rank, op in taken if rank == r)
+        assert all(kinds[op] >= 1 for op in ("all_reduce", "broadcast", "all_gather",
+                                             "reduce_scatter")), kinds
+    assert [result[2:] for result in results] == [result[2:] for result in general]
+    records = results[0][2]
+    assert [record[1:3] for record in records] == [("all_reduce", "done")] + \
+        [(op, "done") for _ in range(2)
+         for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter")]
 
 
 def test_nccl_refusing_a_one_pass_call_fails_it_and_its_record(run, emu, monkeypatch):

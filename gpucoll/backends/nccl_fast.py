@@ -1,7 +1,8 @@
 """The NCCL backend's one-pass calls, for the calls a training step makes over and over.
 
 ``all_reduce(x[, op])`` and ``broadcast(x, root)`` in place, ``all_gather(x, out=)``,
-``reduce_scatter(x[, op], out=)``, ``send(x, dst)`` and ``recv(out, src)``: blocking, on the
+``reduce_scatter(x[, op], out=)``, ``send(x, dst)`` and ``recv(out, src)``: blocking or (the
+collectives) with ``async_op=True``, as a data-parallel step issues its buckets, on the
 caller's current stream, of C-contiguous CuPy arrays on this communicator's GPU (a CuPy array
 is always writable). The first call with each dtype, (dtype, op) pair, root or peer runs the
 checks of :class:`~gpucoll.Communicator` in full and remembers what passed; from then on this path
@@ -11,7 +12,7 @@ translation and ``_enqueue`` one layer at a time (a quarter fewer host instructi
 call). Its flight recorder record, watchdog entry, sequence number, event and errors
 are the general path's.
 
-The general path takes every other call: ``async_op``, an explicit stream, ``out=None`` where
+The general path takes every other call: an explicit stream, ``out=None`` where
 the call would allocate, other array types, arguments whose checks fail (it names the error),
 GPUCOLL_DEBUG, another current device, a stream capturing a CUDA graph, and a communicator
 that failed, closed or has not started its recorder (its first call).
@@ -26,7 +27,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 from ..communicator import Communicator
 from ..flight_recorder import NOT_STARTED, RECORD_PENDING, RECORD_WORK, record_failure
 from ..types import _CODE_OF as _ACCEPTED_DTYPES, ReduceOp, check_op_dtype
-from .nccl_work import EnqueuedCall
+from .nccl_work import CudaWork, EnqueuedCall
 
 __all__ = ["OnePassCalls"]
 
@@ -47,7 +48,7 @@ class OnePassCalls:
     # ------------------------------------------------------------------ the calls
     def all_reduce(self, x: Any, op: Union[ReduceOp, str] = "sum", *, out: Any = None,
                    async_op: bool = False, stream: Any = None):
-        if out is None and not async_op and stream is None:
+        if out is None and stream is None:
             current = self._one_pass_stream(x)
             if current is not None:
                 try:  # _pair's lookup, inline: the hottest call
@@ -62,11 +63,11 @@ class OnePassCalls:
                 return self._one_pass(
                     "all_reduce", self.nccl_comm.allReduce,
                     (ptr, ptr, per_element * x.size, dtype, reduce_op), current, x,
-                    (x.shape, x.dtype, None, None, None, None))
+                    (x.shape, x.dtype, None, None, None, None), None, async_op)
         return Communicator.all_reduce(self, x, op, out=out, async_op=async_op, stream=stream)
 
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False, stream: Any = None):
-        if not async_op and stream is None:
+        if stream is None:
             current = self._one_pass_stream(x)
             checked = None if current is None else self._rank_of("root", root)
             if checked is not None:
@@ -74,23 +75,23 @@ class OnePassCalls:
                 return self._one_pass(
                     "broadcast", self.nccl_comm.broadcast,
                     (ptr, ptr, x.nbytes, self._bytes_type, checked), current, x,
-                    (x.shape, x.dtype, root, None, None, None))
+                    (x.shape, x.dtype, root, None, None, None), None, async_op)
         return Communicator.broadcast(self, x, root, async_op=async_op, stream=stream)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
                    stream: Any = None):
-        if out is not None and not async_op and stream is None:
+        if out is not None and stream is None:
             current = self._one_pass_stream(x, out)
             if current is not None and out.shape == (self.size,) + x.shape:
                 return self._one_pass(
                     "all_gather", self.nccl_comm.allGather,
                     (x.data.ptr, out.data.ptr, x.nbytes, self._bytes_type), current, out,
-                    (x.shape, x.dtype, None, None, None, None))
+                    (x.shape, x.dtype, None, None, None, None), None, async_op)
         return Communicator.all_gather(self, x, out=out, async_op=async_op, stream=stream)
 
     def reduce_scatter(self, x: Any, op: Union[ReduceOp, str] = "sum", *, out: Any = None,
                        async_op: bool = False, stream: Any = None):
-        if out is not None and not async_op and stream is None:
+        if out is not None and stream is None:
             current = self._one_pass_stream(x, out)
             shape = x.shape if current is not None else ()
             if shape and shape[0] == self.size and out.shape == shape[1:]:
@@ -100,7 +101,8 @@ class OnePassCalls:
                     return self._one_pass(
                         "reduce_scatter", self.nccl_comm.reduceScatter,
                         (x.data.ptr, out.data.ptr, per_element * x.size // self.size, dtype,
-                         reduce_op), current, out, (shape, x.dtype, None, None, None, None))
+                         reduce_op), current, out, (shape, x.dtype, None, None, None, None),
+                        None, async_op)
         return Communicator.reduce_scatter(self, x, op, out=out, async_op=async_op,
                                            stream=stream)
 
@@ -188,10 +190,13 @@ class OnePassCalls:
 
     # ------------------------------------------------------------------ the call itself
     def _one_pass(self, name: str, launch: Callable[..., None], args: tuple, stream: int,
-                  result: Any, fields: tuple, peer: Optional[int] = None) -> Any:
-        """What the decorator and ``_enqueue`` do for a blocking call, inline: the record,
-        the sequence number (collective, or point-to-point when ``peer`` is given), then
-        ``launch(*args, stream)`` under the watchdog and its event.
+                  result: Any, fields: tuple, peer: Optional[int] = None,
+                  async_op: bool = False) -> Any:
+        """What the decorator and ``_enqueue`` do for a call, inline: the record, the sequence
+        number (collective, or point-to-point when ``peer`` is given), then
+        ``launch(*args, stream)`` under the watchdog and its event. Returns ``result``, or
+        with ``async_op`` a :class:`~.nccl_work.CudaWork` of it, which keeps the event (a
+        blocking call's goes back to the pool once the watchdog saw it complete).
 
         :meth:`_launch_watched`, :meth:`_track` and the watchdog's ``leave_host_call`` and
         ``track`` are inline here, in that order (the host call is entered before the failure
@@ -210,7 +215,8 @@ class OnePassCalls:
         watchdog = self._watchdog
         events = self._events
         pending = EnqueuedCall(name, number, _monotonic() + self.timeout, None, peer,
-                               collective, events, stream, self._event_done)
+                               collective, None if async_op else events, stream,
+                               self._event_done)
         pending.comm = self
         try:
             watchdog.enter_host_call(pending)
@@ -241,11 +247,13 @@ class OnePassCalls:
             raise
         if recorder is not None:
             record[RECORD_WORK] = pending  # pending until the GPU has finished it
+        if async_op:
+            return CudaWork(self, name, number, event, result, peer, pending)
         return result
 
 
-_NOTE = ("\n\n        On the NCCL backend, the call a training step makes (blocking, current "
-         "stream,\n        C-contiguous CuPy arrays on this GPU) runs in one pass: see "
+_NOTE = ("\n\n        On the NCCL backend, the call a training step makes (current stream,"
+         "\n        C-contiguous CuPy arrays on this GPU) runs in one pass: see "
          f":mod:`{__name__}`.\n")
 for _name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv"):
     _doc = getattr(Communicator, _name).__doc__
