@@ -342,6 +342,15 @@ def cupy_module() -> Any:
     return cupy
 
 
+def is_cupy_array(x: Any) -> bool:
+    """Whether ``x`` is an array of the CuPy in use (a device array), without importing CuPy.
+    Cheaper than asking for ``__cuda_array_interface__``, which CuPy builds anew (a dict, the
+    dtype's description, the current stream) on every read: the check a training step makes
+    for each of its gradients."""
+    cupy = _LOADED[0] if _LOADED is not None else sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, getattr(cupy, "ndarray", ()))
+
+
 class _StreamHandle:
     """A raw stream pointer in the CUDA stream protocol (what ``Stream.from_external`` takes)."""
 

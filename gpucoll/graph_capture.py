@@ -35,7 +35,7 @@ HOST_STAGING = ("this backend copies device arrays through host memory, which a 
 
 def is_device_array(array: Any) -> bool:
     """Whether ``array`` lives in GPU memory (CUDA array interface, or DLPack on a GPU)."""
-    if hasattr(array, "__cuda_array_interface__"):
+    if cuda_env.is_cupy_array(array) or hasattr(array, "__cuda_array_interface__"):
         return True
     device = getattr(array, "__dlpack_device__", None)
     try:

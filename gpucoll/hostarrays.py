@@ -67,7 +67,8 @@ def host_view(x: Any, name: str = "x") -> Any:
         TypeError: an object whose dtype NumPy cannot read and that exports no host DLPack
             buffer (the message names it), or a bfloat16 tensor without ``ml_dtypes``.
     """
-    if type(x) is np.ndarray or hasattr(x, "__cuda_array_interface__"):
+    if type(x) is np.ndarray or cuda_env.is_cupy_array(x) or \
+            hasattr(x, "__cuda_array_interface__"):
         return x
     if is_host_dlpack(x):
         if _is_torch(x):

@@ -4,6 +4,8 @@ A device array that is not a CuPy array (a torch CUDA tensor: ``__cuda_array_int
 and DLPack, but no ``set``) gets its result copied back through a CuPy view of its memory.
 """
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -84,6 +86,33 @@ def test_dlpack_only_device_arrays_are_staged(emu):
     staged.write_back()
     np.testing.assert_array_equal(memory.get(), [7, 7, 7])
     assert not is_device_array(np.ones(2)) and not is_device_array([1, 2])
+
+
+def test_cupy_arrays_are_told_without_building_their_cuda_array_interface(emu, monkeypatch):
+    """CuPy builds ``__cuda_array_interface__`` anew (a dict, the dtype's description, the
+    current stream) at each read: a data-parallel step asks about every gradient, so a CuPy
+    array (or a subclass) is known by its type; other objects still by the interface."""
+    from gpucoll.graph_capture import is_device_array as is_device
+    from gpucoll.hostarrays import host_view
+
+    cp = emu.cupy
+    reads = []
+    interface = cp.ndarray.__cuda_array_interface__
+    monkeypatch.setattr(cp.ndarray, "__cuda_array_interface__",
+                        property(lambda self: reads.append(1) or interface.fget(self)))
+    subclass = type("Sub", (cp.ndarray,), {})
+    array = cp.ones(3, dtype=cp.float32)
+    derived = subclass(array._a, array._device_id, array._owner, array._owndata)
+    for x in (array, derived):
+        assert cuda_env.is_cupy_array(x) and host_view(x, "g") is x and is_device(x)
+    assert reads == []
+    foreign = _TensorLike(array)  # another library's device array: asked through the interface
+    assert not cuda_env.is_cupy_array(foreign) and is_device(foreign)
+    assert host_view(foreign, "g") is foreign and len(reads) == 2
+    assert not cuda_env.is_cupy_array(np.ones(2)) and not cuda_env.is_cupy_array(None)
+    monkeypatch.setattr(cuda_env, "_LOADED", None)  # no CuPy in use: nothing is one of its arrays
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    assert not cuda_env.is_cupy_array(array)
 
 
 def test_copies_run_on_the_callers_stream_even_from_the_worker_of_an_async_op(monkeypatch,
