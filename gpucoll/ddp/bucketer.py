@@ -176,7 +176,10 @@ class Bucketer:
         self._like = params[0] if params else None   # where join() allocates
         if comm_hook is not None:
             comm_hook.attach(comm, plan, self.shapes, self.dtypes)
-        self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
+        self._bucket_of: List[Optional[_Bucket]] = [None] * len(self.shapes)  # by gradient
+        for bucket in self._buckets:
+            for i in bucket.members:
+                self._bucket_of[i] = bucket
         self._grads: List[Any] = [None] * len(self.shapes)
         self._callers: List[Any] = [None] * len(self.shapes)
         self._next_issue = 0
@@ -221,11 +224,13 @@ class Bucketer:
             raise ValueError(f"gradient index {index} is out of range for {len(self.shapes)} "
                              f"parameters")
         caller, grad = grad, host_view(grad, f"gradient {index}")  # torch CPU tensors too
-        if tuple(grad.shape) != self.shapes[index]:
-            raise ValueError(f"gradient {index} has shape {tuple(grad.shape)}, expected "
+        shape = grad.shape  # a tuple already for NumPy and CuPy: no new one per gradient
+        if shape != self.shapes[index] and tuple(shape) != self.shapes[index]:
+            raise ValueError(f"gradient {index} has shape {tuple(shape)}, expected "
                              f"{self.shapes[index]}")
-        if np.dtype(grad.dtype) != self.dtypes[index]:
-            raise TypeError(f"gradient {index} has dtype {grad.dtype}, expected "
+        dtype = grad.dtype  # NumPy's builtin dtypes are singletons: "is" decides at once
+        if dtype is not self.dtypes[index] and np.dtype(dtype) != self.dtypes[index]:
+            raise TypeError(f"gradient {index} has dtype {dtype}, expected "
                             f"{self.dtypes[index]}")
         if self._grads[index] is not None:
             raise ValueError(f"gradient {index} was already marked ready in this step")
@@ -246,7 +251,7 @@ class Bucketer:
         previous = self._accumulated.pop(index, None)
         if previous is not None:
             grad += previous
-        bucket = self._buckets[self._bucket_of[index]]
+        bucket = self._bucket_of[index]
         bucket.ready += 1
         if bucket.ready == len(bucket.members):
             self._issue_ready()
