@@ -80,7 +80,8 @@ def cached_attributes(array):
     """``array``'s memory as an array of a subclass whose attributes in ``_CACHED`` are read
     once and then stored (plain class attributes shadow the base class's properties, so the
     instance's own values are found first)."""
-    cls = type("CachedAttributeArray", (type(array),), dict.fromkeys(_CACHED))
+    cls = type("CachedAttributeArray", (type(array),),
+               dict(dict.fromkeys(_CACHED), __module__=type(array).__module__))  # still "cupy"
     view = cls(array._a, array._device_id, array._owner, array._owndata)
     view.__dict__.update({name: getattr(array, name) for name in _CACHED})
     return view
