@@ -171,3 +171,26 @@ def test_the_graph_benchmark_checks_its_results(run, emu):
     for row in rows:
         assert row["equal"] and row["ranks"] == 2 and row["buckets"] > 2, row
         assert row["graph_step_us"] > 0 and row["eager_step_us"] > 0
+
+
+@pytest.mark.parametrize("script, args, pattern", [
+    ("bench_ddp_host.py", ["--arrays", "20", "--mib", "1", "--bucket-kib", "64", "--steps", "3",
+                           "--rounds", "1"],
+     r"^eager step, 20 arrays in \d+ buckets: median \d+ us/step"),
+    ("bench_nccl_host.py", ["--calls", "20", "--rounds", "1", "--ops", "all_reduce,send"],
+     r"all_reduce, cached attrs +median +[\d.]+ us/call"),
+])
+def test_the_host_cost_benchmarks_run(script, args, pattern):
+    """The host-cost proxies of the NCCL path (no GPU): they stub the emulation's NCCL,
+    events and kernels, so a change of what they stub breaks them; they must still run."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                        script)
+    proc = subprocess.run([sys.executable, path] + args, capture_output=True, text=True,
+                          timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(pattern, proc.stdout, re.M), proc.stdout
