@@ -26,7 +26,8 @@ pytestmark = pytest.mark.timeout(60)
 PATHS = ["one-pass", "general"]
 
 
-ONE_PASS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv")
+ONE_PASS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv", "isend",
+            "irecv")
 
 
 def _paths(monkeypatch, run, n, fn, **options):
@@ -230,6 +231,49 @@ def test_async_calls_take_the_one_pass_path_with_the_general_paths_works(run, em
     assert [record[1:3] for record in records] == [("all_reduce", "done")] + \
         [(op, "done") for _ in range(2)
          for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter")]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_isend_and_irecv_take_the_one_pass_path(run, emu, n, monkeypatch):
+    """A ring of isend / irecv pairs, as a pipeline schedule passes micro-batches (peers and
+    tags as users pass them): results against NumPy; the records name isend and irecv, and
+    records, point-to-point sequence numbers and NCCL calls are the general path's."""
+    monkeypatch.setenv("GPUCOLL_TRACE_BUFFER", "64")
+    cp = emu.cupy
+
+    def fn(comm, taken):
+        r = comm.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        comm.all_reduce(cp.ones(2, dtype=cp.float32))  # starts the recorder
+        got = []
+        for i in range(3):
+            out = cp.zeros((2, 3), dtype=cp.float64)
+            receiving = lambda: comm.irecv(out, np.int64(left), tag=i)  # noqa: E731
+            sending = lambda: comm.isend(cp.full((2, 3), 10.0 * r + i), right, tag=i)  # noqa: E731
+            if r % 2 == 0:  # a ring without a group call: one side first (NCCL connects lazily)
+                sent, received = sending(), receiving()
+            else:
+                received, sent = receiving(), sending()
+            assert [type(work).__name__ for work in (sent, received)] == ["CudaWork"] * 2
+            assert received.result() is out and sent.result() is None
+            got.append(out.get())
+        comm.synchronize()
+        return got, _records(comm), comm._seq, comm._p2p_seq, _nccl_calls(emu, comm)
+
+    outcomes = _paths(monkeypatch, run, n, fn)
+    for results, _ in outcomes.values():  # against NumPy
+        for r, (got, *_) in enumerate(results):
+            for i, value in enumerate(got):
+                np.testing.assert_array_equal(value, np.full((2, 3), 10.0 * ((r - 1) % n) + i))
+    (results, taken), (general, untaken) = outcomes["one-pass"], outcomes["general"]
+    assert untaken == []
+    for r in range(n):  # after the first with each peer, at least
+        kinds = collections.Counter(op for rank, op in taken if rank == r)
+        assert kinds["send"] >= 2 and kinds["recv"] >= 2, kinds
+    assert [result[1:] for result in results] == [result[1:] for result in general]
+    records = results[0][1]  # rank 0 sends first
+    assert [record[1:3] for record in records[1:]] == [("isend", "done"), ("irecv", "done")] * 3
+    assert results[0][3] == 6  # point-to-point numbers: one per isend and irecv
 
 
 def test_nccl_refusing_a_one_pass_call_fails_it_and_its_record(run, emu, monkeypatch):

@@ -1,10 +1,10 @@
 """The NCCL backend's one-pass calls, for the calls a training step makes over and over.
 
-``all_reduce(x[, op])`` and ``broadcast(x, root)`` in place, ``all_gather(x, out=)``,
-``reduce_scatter(x[, op], out=)``, ``send(x, dst)`` and ``recv(out, src)``: blocking or (the
-collectives) with ``async_op=True``, as a data-parallel step issues its buckets, on the
-caller's current stream, of C-contiguous CuPy arrays on this communicator's GPU (a CuPy array
-is always writable). The first call with each dtype, (dtype, op) pair, root or peer runs the
+``all_reduce(x[, op])`` and ``broadcast(x, root)`` in place, ``all_gather(x, out=)`` and
+``reduce_scatter(x[, op], out=)``, blocking or with ``async_op=True`` (as a data-parallel step
+issues its buckets); ``send(x, dst)``, ``recv(out, src)``, ``isend`` and ``irecv`` (as a
+pipeline schedule passes its micro-batches): on the caller's current stream, of C-contiguous
+CuPy arrays on this communicator's GPU (a CuPy array is always writable). The first call with each dtype, (dtype, op) pair, root or peer runs the
 checks of :class:`~gpucoll.Communicator` in full and remembers what passed; from then on this path
 reads each array's flags once, looks the translation up once and makes the NCCL call itself,
 instead of going through the flight recorder's decorator, the argument checks, the
@@ -128,6 +128,28 @@ class OnePassCalls:
                                       peer)
         return Communicator.recv(self, out, src, tag=tag, stream=stream)
 
+    def isend(self, x: Any, dst: int, *, tag: int = 0, stream: Any = None):
+        if stream is None and type(tag) is int and 0 <= tag < _TAGS:
+            current = self._one_pass_stream(x)
+            peer = None if current is None else self._rank_of("peer", dst)
+            if peer is not None:
+                return self._one_pass("send", self.nccl_comm.send,
+                                      (x.data.ptr, x.nbytes, self._bytes_type, peer), current,
+                                      None, (x.shape, x.dtype, None, dst, tag, None), peer,
+                                      True, "isend")
+        return Communicator.isend(self, x, dst, tag=tag, stream=stream)
+
+    def irecv(self, out: Any, src: int, *, tag: int = 0, stream: Any = None):
+        if stream is None and type(tag) is int and 0 <= tag < _TAGS:
+            current = self._one_pass_stream(out)
+            peer = None if current is None else self._rank_of("peer", src)
+            if peer is not None:
+                return self._one_pass("recv", self.nccl_comm.recv,
+                                      (out.data.ptr, out.nbytes, self._bytes_type, peer),
+                                      current, out, (out.shape, out.dtype, None, src, tag, None),
+                                      peer, True, "irecv")
+        return Communicator.irecv(self, out, src, tag=tag, stream=stream)
+
     # ------------------------------------------------------------------ what may take it
     def _one_pass_stream(self, x: Any, out: Any = None) -> Optional[int]:
         """The current stream's pointer when ``x`` (and ``out``, of ``x``'s dtype) and this
@@ -191,12 +213,13 @@ class OnePassCalls:
     # ------------------------------------------------------------------ the call itself
     def _one_pass(self, name: str, launch: Callable[..., None], args: tuple, stream: int,
                   result: Any, fields: tuple, peer: Optional[int] = None,
-                  async_op: bool = False) -> Any:
+                  async_op: bool = False, traced_as: Optional[str] = None) -> Any:
         """What the decorator and ``_enqueue`` do for a call, inline: the record, the sequence
         number (collective, or point-to-point when ``peer`` is given), then
         ``launch(*args, stream)`` under the watchdog and its event. Returns ``result``, or
         with ``async_op`` a :class:`~.nccl_work.CudaWork` of it, which keeps the event (a
-        blocking call's goes back to the pool once the watchdog saw it complete).
+        blocking call's goes back to the pool once the watchdog saw it complete). The record
+        names the call ``traced_as`` when given (``isend`` of an NCCL ``send``).
 
         :meth:`_launch_watched`, :meth:`_track` and the watchdog's ``leave_host_call`` and
         ``track`` are inline here, in that order (the host call is entered before the failure
@@ -205,7 +228,8 @@ class OnePassCalls:
         fails takes their way out (:meth:`_refused`)."""
         recorder = self._recorder
         if recorder is not None:  # the flight recorder's record, as the decorator leaves it
-            record = [next(recorder.numbers), name, fields, _now(), None, RECORD_PENDING, None]
+            record = [next(recorder.numbers), traced_as or name, fields, _now(), None,
+                      RECORD_PENDING, None]
             recorder.records.append(record)
         collective = peer is None
         if collective:
@@ -255,7 +279,8 @@ class OnePassCalls:
 _NOTE = ("\n\n        On the NCCL backend, the call a training step makes (current stream,"
          "\n        C-contiguous CuPy arrays on this GPU) runs in one pass: see "
          f":mod:`{__name__}`.\n")
-for _name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv"):
+for _name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv",
+              "isend", "irecv"):
     _doc = getattr(Communicator, _name).__doc__
     if _doc:  # None under python -OO
         getattr(OnePassCalls, _name).__doc__ = _doc.rstrip() + _NOTE
