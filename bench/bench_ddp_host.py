@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -84,19 +82,10 @@ def run_steps(bucketer, grads, count: int) -> None:
 
 def instructions(args) -> float:
     """Instructions per step: two runs under cachegrind, their difference."""
-    counts = []
-    for steps in _INSTRUCTION_STEPS:
-        env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1")
-        command = [sys.executable, os.path.abspath(__file__), "--loop", "--steps", str(steps),
-                   "--arrays", str(args.arrays), "--mib", str(args.mib),
-                   "--bucket-kib", str(args.bucket_kib)]
-        run = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no",
-                              "--cachegrind-out-file=/dev/null"] + command,
-                             env=env, capture_output=True, text=True, check=True)
-        found = re.search(r"I\s+refs:\s+([\d,]+)", run.stderr)
-        if found is None:
-            raise RuntimeError(f"no instruction count in valgrind's output:\n{run.stderr}")
-        counts.append(int(found.group(1).replace(",", "")))
+    counts = [bench_nccl_host.count_instructions(
+        [os.path.abspath(__file__), "--loop", "--steps", str(steps), "--arrays", str(args.arrays),
+         "--mib", str(args.mib), "--bucket-kib", str(args.bucket_kib)])
+        for steps in _INSTRUCTION_STEPS]
     return (counts[1] - counts[0]) / (_INSTRUCTION_STEPS[1] - _INSTRUCTION_STEPS[0])
 
 

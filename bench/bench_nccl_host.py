@@ -147,19 +147,23 @@ def loop(op: str, count: int) -> None:
             retire()
 
 
+def count_instructions(command) -> int:
+    """Instructions ``command`` (a Python script and its arguments) runs, under
+    ``valgrind --tool=cachegrind --cache-sim=no``, with a fixed hash seed."""
+    env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1")
+    run = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                          "--cachegrind-out-file=/dev/null", sys.executable] + list(command),
+                         env=env, capture_output=True, text=True, check=True)
+    found = re.search(r"I\s+refs:\s+([\d,]+)", run.stderr)
+    if found is None:
+        raise RuntimeError(f"no instruction count in valgrind's output:\n{run.stderr}")
+    return int(found.group(1).replace(",", ""))
+
+
 def instructions(op: str) -> float:
     """Instructions per call of ``op``: two runs under cachegrind, their difference."""
-    counts = []
-    for count in _INSTRUCTION_CALLS:
-        env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1")
-        run = subprocess.run(
-            ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-             sys.executable, os.path.abspath(__file__), "--loop", op, "--calls", str(count)],
-            env=env, capture_output=True, text=True, check=True)
-        found = re.search(r"I\s+refs:\s+([\d,]+)", run.stderr)
-        if found is None:
-            raise RuntimeError(f"no instruction count in valgrind's output:\n{run.stderr}")
-        counts.append(int(found.group(1).replace(",", "")))
+    counts = [count_instructions([os.path.abspath(__file__), "--loop", op, "--calls", str(count)])
+              for count in _INSTRUCTION_CALLS]
     return (counts[1] - counts[0]) / (_INSTRUCTION_CALLS[1] - _INSTRUCTION_CALLS[0])
 
 

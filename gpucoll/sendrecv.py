@@ -94,15 +94,11 @@ class GroupWork(Work):
 
     def is_completed(self) -> bool:
         """True once every part has finished (successfully or not)."""
-        return all(part.is_completed() for part in self._parts)
+        return GroupProbe.is_completed(self)  # over the parts themselves
 
     def exception(self) -> Optional[BaseException]:
         """The group's error once every part has finished, else None; never blocks."""
-        if not self.is_completed():
-            return None
-        errors = [error for error in (part.exception() for part in self._parts)
-                  if error is not None]
-        return _cause(errors) if errors else None
+        return GroupProbe.exception(self)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until every part finishes, at most ``timeout`` seconds for all together

@@ -34,6 +34,7 @@ __all__ = ["OnePassCalls"]
 _now = time.time
 _monotonic = time.monotonic
 _TAGS = 2 ** 32
+_GENERAL = object()  # what a one-pass helper returns for a call the general path must take
 
 
 class OnePassCalls:
@@ -107,48 +108,48 @@ class OnePassCalls:
                                            stream=stream)
 
     def send(self, x: Any, dst: int, *, tag: int = 0, stream: Any = None) -> None:
-        if stream is None and type(tag) is int and 0 <= tag < _TAGS:
-            current = self._one_pass_stream(x)
-            peer = None if current is None else self._rank_of("peer", dst)
-            if peer is not None:
-                self._one_pass("send", self.nccl_comm.send,
-                               (x.data.ptr, x.nbytes, self._bytes_type, peer), current, None,
-                               (x.shape, x.dtype, None, dst, tag, None), peer)
-                return None
+        if stream is None and self._point_to_point(True, x, dst, tag, False) is not _GENERAL:
+            return None
         return Communicator.send(self, x, dst, tag=tag, stream=stream)
 
     def recv(self, out: Any, src: int, *, tag: int = 0, stream: Any = None):
-        if stream is None and type(tag) is int and 0 <= tag < _TAGS:
-            current = self._one_pass_stream(out)
-            peer = None if current is None else self._rank_of("peer", src)
-            if peer is not None:
-                return self._one_pass("recv", self.nccl_comm.recv,
-                                      (out.data.ptr, out.nbytes, self._bytes_type, peer),
-                                      current, out, (out.shape, out.dtype, None, src, tag, None),
-                                      peer)
+        if stream is None:
+            result = self._point_to_point(False, out, src, tag, False)
+            if result is not _GENERAL:
+                return result
         return Communicator.recv(self, out, src, tag=tag, stream=stream)
 
     def isend(self, x: Any, dst: int, *, tag: int = 0, stream: Any = None):
-        if stream is None and type(tag) is int and 0 <= tag < _TAGS:
-            current = self._one_pass_stream(x)
-            peer = None if current is None else self._rank_of("peer", dst)
-            if peer is not None:
-                return self._one_pass("send", self.nccl_comm.send,
-                                      (x.data.ptr, x.nbytes, self._bytes_type, peer), current,
-                                      None, (x.shape, x.dtype, None, dst, tag, None), peer,
-                                      True, "isend")
+        if stream is None:
+            work = self._point_to_point(True, x, dst, tag, True)
+            if work is not _GENERAL:
+                return work
         return Communicator.isend(self, x, dst, tag=tag, stream=stream)
 
     def irecv(self, out: Any, src: int, *, tag: int = 0, stream: Any = None):
-        if stream is None and type(tag) is int and 0 <= tag < _TAGS:
-            current = self._one_pass_stream(out)
-            peer = None if current is None else self._rank_of("peer", src)
-            if peer is not None:
-                return self._one_pass("recv", self.nccl_comm.recv,
-                                      (out.data.ptr, out.nbytes, self._bytes_type, peer),
-                                      current, out, (out.shape, out.dtype, None, src, tag, None),
-                                      peer, True, "irecv")
+        if stream is None:
+            work = self._point_to_point(False, out, src, tag, True)
+            if work is not _GENERAL:
+                return work
         return Communicator.irecv(self, out, src, tag=tag, stream=stream)
+
+    def _point_to_point(self, sending: bool, array: Any, peer: Any, tag: Any,
+                        async_op: bool) -> Any:
+        """A send (``sending``) of ``array`` to ``peer`` or a receive into it, in one pass:
+        None or ``array`` (blocking), a Work (``async_op``), or ``_GENERAL`` when the general
+        path must take it."""
+        if type(tag) is not int or not 0 <= tag < _TAGS:
+            return _GENERAL
+        current = self._one_pass_stream(array)
+        checked = None if current is None else self._rank_of("peer", peer)
+        if checked is None:
+            return _GENERAL
+        name = "send" if sending else "recv"
+        return self._one_pass(name, self.nccl_comm.send if sending else self.nccl_comm.recv,
+                              (array.data.ptr, array.nbytes, self._bytes_type, checked), current,
+                              None if sending else array,
+                              (array.shape, array.dtype, None, peer, tag, None), checked,
+                              async_op, "i" + name if async_op else None)
 
     # ------------------------------------------------------------------ what may take it
     def _one_pass_stream(self, x: Any, out: Any = None) -> Optional[int]:
