@@ -202,7 +202,7 @@ def test_async_calls_take_the_one_pass_path_with_the_general_paths_works(run, em
                 assert work.wait() is True and work.result() is array
                 got.append(array.get())
         comm.synchronize()
-        comm._watchdog.poll(time.monotonic())  # releases what completed
+        assert _wait_until(lambda: not comm._watchdog.outstanding())  # its polls released all
         assert all(work.is_completed() and work.exception() is None for work in works)
         pool = {id(event) for event in comm._events}
         kept = [id(work._event) in pool for work in works]
@@ -231,6 +231,39 @@ def test_async_calls_take_the_one_pass_path_with_the_general_paths_works(run, em
     assert [record[1:3] for record in records] == [("all_reduce", "done")] + \
         [(op, "done") for _ in range(2)
          for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter")]
+
+
+def test_an_async_calls_event_goes_back_to_the_pool_once_its_work_is_gone(run, emu,
+                                                                          monkeypatch):
+    """A training step drops each bucket's Work once waited for: its event is reused, as a
+    blocking call's is (before or after the watchdog released the call), not made anew for
+    every call; a Work still held keeps its own."""
+    cp = emu.cupy
+
+    def fn(comm, taken):
+        x = cp.ones(4, dtype=cp.float32)
+        comm.all_reduce(x)  # starts the recorder
+        created = []
+        make = comm._new_event
+        comm._new_event = lambda: created.append(1) or make()
+        for i in range(30):
+            work = comm.all_reduce(x, async_op=True)
+            work.wait()
+            if i % 2:  # dropped after the watchdog released the call
+                comm.synchronize()
+                assert _wait_until(lambda: not comm._watchdog.outstanding())
+            del work   # else dropped while the call may still be followed
+        kept = comm.all_reduce(x, async_op=True)
+        comm.synchronize()
+        assert _wait_until(lambda: not comm._watchdog.outstanding())
+        pooled = any(event is kept._event for event in comm._events)
+        states = {entry["state"] for entry in comm.trace()}
+        return len(created), pooled, states, cp.asnumpy(x).tolist()
+
+    for name, (results, _) in _paths(monkeypatch, run, 1, fn).items():
+        created, pooled, states, values = results[0]
+        assert created <= 3 and not pooled, (name, created, pooled)
+        assert states == {"done"} and values == [1.0] * 4, (name, states, values)
 
 
 @pytest.mark.parametrize("n", [2, 3])

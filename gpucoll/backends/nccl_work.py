@@ -57,6 +57,22 @@ class CudaWork(Work):
     def _trace_probe(self) -> Any:
         return self._probe if self._probe is not None else self
 
+    def __del__(self) -> None:
+        """Once nobody can wait on this operation any more, its event goes back to the
+        communicator's pool, as a blocking call's does: now if the watchdog has released the
+        call (its record then answers from its ``finished`` flag, never from the event), else
+        when it does. Spares a new CUDA event per ``async_op`` call of a training step."""
+        probe = self._probe
+        try:
+            if probe is None or self._event is None:
+                return
+            if probe.finished:
+                self._comm._events.append(self._event)
+            else:
+                probe.pool = self._comm._events  # the watchdog's release appends it
+        except Exception:  # interpreter shutdown: nothing to give back to
+            pass
+
     def is_completed(self) -> bool:
         """True once the operation finished on the GPU, or the communicator failed."""
         try:
