@@ -62,15 +62,15 @@ class CudaWork(Work):
         communicator's pool, as a blocking call's does: now if the watchdog has released the
         call (its record then answers from its ``finished`` flag, never from the event), else
         when it does. Spares a new CUDA event per ``async_op`` call of a training step."""
-        probe = self._probe
         try:
+            probe = self._probe
             if probe is None or self._event is None:
                 return
             if probe.finished:
                 self._comm._events.append(self._event)
             else:
                 probe.pool = self._comm._events  # the watchdog's release appends it
-        except Exception:  # interpreter shutdown: nothing to give back to
+        except Exception:  # a Work half made, or the interpreter shutting down
             pass
 
     def is_completed(self) -> bool:
