@@ -78,6 +78,42 @@ def test_async_work_follows_its_stream(run, emu):
     assert run(1, fn) == [True]
 
 
+def test_wait_on_the_operations_own_stream_adds_no_stream_wait(run, emu, monkeypatch):
+    """``wait()`` on the stream the operation was queued on asks nothing of CUDA (the stream's
+    order already puts what comes next after it); on another stream, or on another GPU's
+    default stream (handle 0 names one stream per GPU), the stream waits for its event."""
+    cp = emu.cupy
+    waits = []
+    real = cp.cuda.runtime.streamWaitEvent
+    monkeypatch.setattr(cp.cuda.runtime, "streamWaitEvent",
+                        lambda stream, event, flags=0: waits.append(stream) or
+                        real(stream, event, flags))
+
+    def fn(comm):
+        side = cp.cuda.Stream(non_blocking=True)
+        x = cp.arange(4, dtype=cp.float32)
+        work = comm.all_reduce(x, async_op=True)  # on the default stream (0)
+        assert work.wait() and waits == []
+        with side:
+            assert work.wait() and waits == [side.ptr]
+        with cp.cuda.Device((comm.device + 1) % emu.device_count):
+            assert cp.cuda.get_current_stream().ptr == 0
+            assert work.wait() and waits == [side.ptr, 0]
+        emu.stall(side)
+        with side:
+            held = comm.all_reduce(cp.ones(3), async_op=True)
+            assert held.wait() and waits == [side.ptr, 0]
+            after = cp.cuda.Event()
+            after.record(side)
+        assert not after.done  # the same stream: still behind the held operation
+        emu.release(side)
+        assert after.done and held.synchronize()
+        comm.synchronize(timeout=5)
+        return cp.asnumpy(x).tolist()
+
+    assert run(1, fn) == [[0.0, 1.0, 2.0, 3.0]]
+
+
 def test_a_held_collective_runs_when_its_stream_goes_on(run, emu):
     cp = emu.cupy
     releasing = threading.Event()

@@ -11,6 +11,10 @@ from .watchdog import Pending
 
 __all__ = ["CudaWork", "EnqueuedCall"]
 
+#: Stream handles at most this (0: the legacy default stream, 1 and 2: cudaStreamLegacy and
+#: cudaStreamPerThread) name one stream per GPU: the same value on another GPU is another stream.
+_PER_DEVICE_HANDLES = 2
+
 
 class EnqueuedCall(Pending):
     """The watchdog's entry for one NCCL call (a :class:`~.watchdog.Pending`), which also tells
@@ -108,7 +112,13 @@ class CudaWork(Work):
         if self._comm._failure is not None and (self._cut_short() or not self._gpu_done()):
             raise self._comm._error()
         cupy = self._comm._cupy
-        cupy.cuda.runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, self._event.ptr)
+        current = cupy.cuda.get_current_stream().ptr
+        probe = self._probe
+        if probe is not None and current == probe.stream and (
+                current > _PER_DEVICE_HANDLES or
+                cupy.cuda.runtime.getDevice() == self._comm.device):
+            return True  # its own stream: what is queued there next runs after it anyway
+        cupy.cuda.runtime.streamWaitEvent(current, self._event.ptr)
         return True
 
     def synchronize(self, timeout: Optional[float] = None) -> bool:
