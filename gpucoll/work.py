@@ -91,8 +91,9 @@ class Work:
     def _trace_probe(self) -> Any:
         """What the flight recorder keeps of this operation to tell its state when the trace
         is read: ``is_completed()`` and ``exception()``, never blocking, holding none of its
-        arrays (a record outlives the call; the Work keeps its result for ``result()``)."""
-        return self._outcome
+        arrays (a record outlives the call; the Work keeps its result for ``result()``). A
+        subclass that completes otherwise gives its own; by default, the Work itself."""
+        return self._outcome if self._outcome is not None else self
 
     # public ------------------------------------------------------------------
     def is_completed(self) -> bool:

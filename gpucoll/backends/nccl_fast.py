@@ -4,13 +4,13 @@
 ``reduce_scatter(x[, op], out=)``, blocking or with ``async_op=True`` (as a data-parallel step
 issues its buckets); ``send(x, dst)``, ``recv(out, src)``, ``isend`` and ``irecv`` (as a
 pipeline schedule passes its micro-batches): on the caller's current stream, of C-contiguous
-CuPy arrays on this communicator's GPU (a CuPy array is always writable). The first call with each dtype, (dtype, op) pair, root or peer runs the
-checks of :class:`~gpucoll.Communicator` in full and remembers what passed; from then on this path
-reads each array's flags once, looks the translation up once and makes the NCCL call itself,
-instead of going through the flight recorder's decorator, the argument checks, the
-translation and ``_enqueue`` one layer at a time (a quarter fewer host instructions per
-call). Its flight recorder record, watchdog entry, sequence number, event and errors
-are the general path's.
+CuPy arrays on this communicator's GPU (a CuPy array is always writable). The first call with
+each dtype, (dtype, op) pair, root or peer runs the checks of :class:`~gpucoll.Communicator` in
+full and remembers what passed; from then on this path reads each array's flags once, looks
+the translation up once and makes the NCCL call itself, instead of going through the flight
+recorder's decorator, the argument checks, the translation and ``_enqueue`` one layer at a time
+(a quarter fewer host instructions per call). Its flight recorder record, watchdog entry,
+sequence number, event, Work and errors are the general path's.
 
 The general path takes every other call: an explicit stream, ``out=None`` where
 the call would allocate, other array types, arguments whose checks fail (it names the error),
