@@ -66,6 +66,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from gpucoll import kernels
+    try:
+        from gpucoll import kernel_tables as tables
+    except ImportError:  # older trees kept the work tables in kernels
+        tables = kernels
 
     arrays, bucket, _keep = _arrays(args.arrays, args.mib << 20)
     upload = _Counting()
@@ -84,13 +88,13 @@ def main(argv=None) -> int:
         checked = kernels._validate(arrays, bucket, None, "pack")
         offsets, sizes = checked[1], checked[2]
         pointers = checked[3] if len(checked) > 3 else [a.data.ptr for a in arrays]
-        if hasattr(kernels, "_planned"):  # launches remembered (absent in older trees)
-            for _n, _grid, table, content in kernels._planned(pointers, offsets, sizes):
-                kernels._device_table(upload, 0, 0, table, content)
+        if hasattr(tables, "_planned"):  # launches remembered (absent in older trees)
+            for _n, _grid, table, content in tables._planned(pointers, offsets, sizes):
+                tables._device_table(upload, 0, 0, table, content)
             return
-        for _n, _grid, table in kernels.work_tables(pointers, offsets, sizes):
-            if hasattr(kernels, "_device_table"):
-                kernels._device_table(upload, 0, 0, table)
+        for _n, _grid, table in tables.work_tables(pointers, offsets, sizes):
+            if hasattr(tables, "_device_table"):
+                tables._device_table(upload, 0, 0, table)
 
     print(f"# {args.arrays} CuPy float32 arrays ({args.mib} MiB over host memory), "
           f"python {platform.python_version()}, numpy {np.__version__}, {time.strftime('%Y-%m-%d')}")

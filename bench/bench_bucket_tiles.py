@@ -2,16 +2,17 @@
 
 The fused pack / unpack kernels (``kernels/``) give each thread block one tile of one array and
 have each thread load ``GPUCOLL_UNROLL`` 16-byte vectors before storing them, with or without
-cache hints (``GPUCOLL_CACHE_HINTS``: loads that skip L1, streaming stores). This times the
-kernels alone (CUDA events around back-to-back launches of a prepared work table, so the host
-is not what is measured) for every (unroll, tile) pair, on the 1,000 mixed-size float32 arrays
+cache hints (``GPUCOLL_CACHE_HINTS``: loads that skip L1, streaming stores), each block
+finding its array in the work table's block map or by a binary search (``GPUCOLL_BLOCK_MAP``).
+This times the kernels alone (CUDA events around back-to-back launches of a prepared work
+table, so the host is not what is measured) for every (unroll, hints, map, tile), on the 1,000 mixed-size float32 arrays
 of ``bench_bucket.py`` (64 MiB), in two bucket layouts: the library's (``bucket_offsets``: each
 array on a 16-byte boundary, as the DDP bucketer lays buckets out) and back to back (arrays at
 any offset, where only arrays that happen to share the 16-byte phase of their bucket position
 get vector accesses). Every result is checked against the arrays themselves.
 
-    python bench/bench_bucket_tiles.py [--unrolls 1,2,4,8] [--hints 0,1] [--tiles 2048,...]
-                                       [--json F]
+    python bench/bench_bucket_tiles.py [--unrolls 1,2,4,8] [--hints 0,1] [--maps 0,1]
+                                       [--tiles 2048,...] [--json F]
 
 Prints, per kernel and layout, the bandwidth in float32 GB/s and as a fraction of the copy's.
 """
@@ -49,15 +50,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unrolls", default="1,2,4,8", help="GPUCOLL_UNROLL values")
     parser.add_argument("--hints", default="0,1", help="GPUCOLL_CACHE_HINTS values (0, 1)")
+    parser.add_argument("--maps", default="1", help="GPUCOLL_BLOCK_MAP values (0, 1)")
     parser.add_argument("--tiles", default="2048,4096,8192,16384,32768,65536",
                         help="elements per thread block (multiples of 16)")
     parser.add_argument("--launches", type=int, default=20, help="launches per timing")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     unrolls, tiles, hints = _ints(args.unrolls), _ints(args.tiles), _ints(args.hints)
+    maps = _ints(args.maps)
     if not unrolls or min(unrolls) < 1 or not tiles or any(t <= 0 or t % 16 for t in tiles) \
-            or not hints or set(hints) - {0, 1}:
-        parser.error("unrolls must be >= 1, tiles positive multiples of 16, hints 0 or 1")
+            or not hints or set(hints) - {0, 1} or not maps or set(maps) - {0, 1}:
+        parser.error("unrolls must be >= 1, tiles positive multiples of 16, hints and maps "
+                     "0 or 1")
     import cupy
 
     sizes = mixed_sizes()
@@ -104,12 +108,13 @@ def main(argv=None) -> int:
         functions = {}
         for hint in hints:
             for unroll in unrolls:
-                source, options, expression = kernels.compile_request(kernel_name, array_dtype,
-                                                                      bucket_dtype)
-                module = cupy.RawModule(code=source, options=options + (
-                    f"-DGPUCOLL_UNROLL={unroll}", f"-DGPUCOLL_CACHE_HINTS={hint}"),
-                    name_expressions=[expression])
-                functions[unroll, hint] = module.get_function(expression)
+                for block_map in maps:
+                    source, options, expression = kernels.compile_request(
+                        kernel_name, array_dtype, bucket_dtype)
+                    module = cupy.RawModule(code=source, options=options + (
+                        f"-DGPUCOLL_UNROLL={unroll}", f"-DGPUCOLL_CACHE_HINTS={hint}",
+                        f"-DGPUCOLL_BLOCK_MAP={block_map}"), name_expressions=[expression])
+                    functions[unroll, hint, block_map] = module.get_function(expression)
         pack = kernel_name == "bucket_pack"
         for layout, (offsets, length) in layouts.items():
             index = np.concatenate([np.arange(o, o + n) for o, n in zip(offsets, sizes)])
@@ -122,8 +127,8 @@ def main(argv=None) -> int:
                 bucket.view(bits)[...] = cupy.asarray(in_bucket.view(bits))
                 expected = (in_bucket[index].astype(np.float32) * np.float32(scale)).view(np.uint32)
             print(f"\n{label}, {layout}: GB/s (fraction of the copy's)")
-            print(f"  {'unroll/hints':>12} " + " ".join(f"{t:>14}" for t in tiles))
-            for (unroll, hint), fn in functions.items():
+            print(f"  {'unroll/hints/map':>16} " + " ".join(f"{t:>14}" for t in tiles))
+            for (unroll, hint, block_map), fn in functions.items():
                 cells = []
                 for tile in tiles:
                     pointers = [a.data.ptr for a in (arrays if pack else outs)]
@@ -150,10 +155,12 @@ def main(argv=None) -> int:
                     cells.append(f"{nbytes / seconds / 1e9:6.0f} ({copy / seconds:4.2f})"
                                  + ("" if ok else " WRONG"))
                     results["rows"].append({"case": label, "layout": layout, "unroll": unroll,
-                                            "hints": hint, "tile": tile, "seconds": seconds,
+                                            "hints": hint, "block_map": block_map,
+                                            "tile": tile, "seconds": seconds,
                                             "ok": ok,
                                             "vs_copy": copy / seconds})
-                print(f"  {f'{unroll}/{hint}':>12} " + " ".join(f"{c:>14}" for c in cells),
+                print(f"  {f'{unroll}/{hint}/{block_map}':>16} "
+                      + " ".join(f"{c:>14}" for c in cells),
                       flush=True)
     if args.json:
         with open(args.json, "w") as handle:

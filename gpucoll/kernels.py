@@ -14,8 +14,9 @@ Semantics (both paths; ``C`` is float32, or float64 when either side is float64)
     unpack:  arrays[a].flat[i]      = arrays[a].dtype(C(bucket[offsets[a] + i]) * scale / loss_scale)
              found_inf[0] = 1 if any value written is inf or NaN (only when found_inf is given)
 
-On a stream that is capturing a CUDA graph the launches are recorded like any kernel; their
-work tables are uploaded outside the capture and kept for every replay (see
+Each launch reads a work table (:mod:`gpucoll.kernel_tables`), built and uploaded once per
+layout. On a stream that is capturing a CUDA graph the launches are recorded like any kernel;
+their work tables are uploaded outside the capture and kept for every replay (see
 :func:`release_graph_tables`).
 
 Rounding is to nearest even in both paths, so they agree bit for bit. Supported
@@ -33,11 +34,14 @@ import functools
 import operator
 import os
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import cuda_env
+from .kernel_tables import (MAX_ARRAYS_PER_LAUNCH, TILE_ELEMS, _device_table, _graph_table,
+                            _keep_newest, _planned, _touch, launch_plan, release_graph_tables,
+                            work_tables)
 
 __all__ = ["pack", "unpack", "bucket_offsets", "bfloat16", "SUPPORTED_PAIRS", "kernel_source",
            "compile_request", "launch_plan", "work_tables", "release_graph_tables",
@@ -56,12 +60,6 @@ SUPPORTED_PAIRS = frozenset({
     ("float16", "float16"), ("bfloat16", "bfloat16"), ("float64", "float64"),
 })
 
-#: Arrays one kernel launch carries at most (size of its work table); longer lists are split.
-MAX_ARRAYS_PER_LAUNCH = 65536
-#: Blocks one launch may have (CUDA's grid.x limit).
-MAX_BLOCKS_PER_LAUNCH = 2 ** 31 - 1
-#: Elements one thread block copies (a multiple of 16, so every vector width divides it).
-TILE_ELEMS = 8192
 THREADS_PER_BLOCK = 256
 #: Options the loader gives NVRTC (through ``cupy.RawModule``).
 NVRTC_OPTIONS = ("--std=c++14",)
@@ -127,23 +125,6 @@ def bucket_offsets(sizes: Sequence[int], itemsize: int, align_bytes: int = 16) -
         offsets.append(position)
         position += -(-int(size) // step) * step
     return offsets, position
-
-
-def _touch(cache: "collections.OrderedDict", key: Any) -> None:
-    """Mark ``key`` of a cache newest (evicted by another thread meanwhile: nothing to do)."""
-    try:
-        cache.move_to_end(key)
-    except KeyError:
-        pass
-
-
-def _keep_newest(cache: "collections.OrderedDict", kept: int) -> None:
-    """Evict a cache's oldest entries beyond ``kept`` (other threads may evict meanwhile)."""
-    try:
-        while len(cache) > kept:
-            cache.popitem(last=False)
-    except KeyError:
-        pass
 
 
 #: Lists of CuPy arrays that passed the checks, {ids: _Checked}, newest last: a training step
@@ -456,126 +437,6 @@ def _kernel(device_id: int, name: str, array_dtype: str, bucket_dtype: str, chec
     with cupy.cuda.Device(device_id):
         module = cupy.RawModule(code=source, options=options, name_expressions=[expression])
         return module.get_function(expression)
-
-
-def launch_plan(sizes: Sequence[int], tile: Optional[int] = None) -> List[Tuple[int, int, np.ndarray]]:
-    """Split arrays into launches: ``[(first, stop, block_start), ...]`` where ``block_start``
-    is the prefix sum of ``ceil(size / tile)`` over ``sizes[first:stop]``; a launch carries at
-    most ``MAX_ARRAYS_PER_LAUNCH`` arrays and ``MAX_BLOCKS_PER_LAUNCH`` blocks; ``tile``
-    defaults to ``TILE_ELEMS``."""
-    tile = TILE_ELEMS if tile is None else tile
-    blocks = -(-np.asarray(sizes, dtype=np.int64) // tile)
-    plan, first, n = [], 0, len(blocks)
-    while first < n:
-        stop = min(first + MAX_ARRAYS_PER_LAUNCH, n)
-        cumulative = np.cumsum(blocks[first:stop])
-        fits = int(np.searchsorted(cumulative, MAX_BLOCKS_PER_LAUNCH, side="right"))
-        if fits == 0:
-            raise ValueError(f"array of {sizes[first]} elements needs more than "
-                             f"{MAX_BLOCKS_PER_LAUNCH} blocks of {tile}")
-        stop = first + fits
-        plan.append((first, stop, np.concatenate(([0], cumulative[:fits])).astype(np.int64)))
-        first = stop
-    return plan
-
-
-def work_tables(pointers: Sequence[int], offsets: Sequence[int], sizes: Sequence[int],
-                tile: Optional[int] = None) -> Iterator[Tuple[int, int, np.ndarray]]:
-    """The launches for arrays at ``pointers`` (addresses): ``(number of arrays, grid, work
-    table)`` per launch, the int64 table laid out as ``kernels/common.cuh`` describes; launches
-    of zero-length arrays only are left out; ``tile`` as for :func:`launch_plan`."""
-    pointers_np = np.asarray(pointers, dtype=np.uint64).view(np.int64)
-    offsets_np = np.asarray(offsets, dtype=np.int64)
-    sizes_np = np.asarray(sizes, dtype=np.int64)
-    for first, stop, block_start in launch_plan(sizes, tile):
-        grid = int(block_start[-1])
-        if grid == 0:
-            continue
-        yield stop - first, grid, np.concatenate((pointers_np[first:stop],
-                                                  offsets_np[first:stop], sizes_np[first:stop],
-                                                  block_start))
-
-
-#: Launches worked out before, newest last: {(pointers, offsets, sizes, tile): [(number of
-#: arrays, grid, work table, its bytes)]}. A training step packs each bucket from the same
-#: arrays at the same offsets at every step; the bytes' hash is computed once, where it is
-#: the key of the table on the GPU.
-_PLANS: "collections.OrderedDict[tuple, List[Tuple[int, int, np.ndarray, bytes]]]" = \
-    collections.OrderedDict()
-PLANS_KEPT = 64
-
-
-def _planned(pointers: Sequence[int], offsets: Sequence[int],
-             sizes: Sequence[int]) -> List[Tuple[int, int, np.ndarray, bytes]]:
-    """:func:`work_tables` of these arrays, each table with its bytes, remembered."""
-    key = (tuple(pointers), tuple(offsets), tuple(sizes), TILE_ELEMS)
-    found = _PLANS.get(key)
-    if found is not None:
-        _touch(_PLANS, key)
-        return found
-    found = _PLANS[key] = [(n, grid, table, table.tobytes())
-                           for n, grid, table in work_tables(pointers, offsets, sizes)]
-    _keep_newest(_PLANS, PLANS_KEPT)
-    return found
-
-
-#: Work tables kept on the GPU, newest last: {(device, stream, table bytes): device array}.
-_TABLES: "collections.OrderedDict[Tuple[int, int, bytes], Any]" = collections.OrderedDict()
-#: How many: a training step packs and unpacks a few buckets, each with its own table.
-TABLES_KEPT = 64
-
-
-def _device_table(cupy: Any, device: int, stream: int, table: np.ndarray,
-                  content: Optional[bytes] = None) -> Any:
-    """``table`` on the GPU, uploaded once per (device, stream, content) and then reused.
-
-    The upload is a copy from pageable memory, which first waits for everything queued on the
-    stream: done at every call, it made ``pack`` wait for the backward pass it should overlap.
-    Arrays at the same addresses (a memory pool's usual reuse) give the same table. Keyed by
-    stream too, so the memory of an evicted table is reused only in that stream's order.
-    ``content``: ``table.tobytes()``, when the caller has it."""
-    key = (device, stream, table.tobytes() if content is None else content)
-    found = _TABLES.get(key)
-    if found is not None:
-        _touch(_TABLES, key)
-        return found
-    found = _TABLES[key] = cupy.asarray(table)
-    _keep_newest(_TABLES, TABLES_KEPT)
-    return found
-
-
-#: Work tables of launches a CUDA graph captured, {(device, table bytes): device array}: every
-#: replay reads them again, so unlike the tables above they are never evicted.
-_GRAPH_TABLES: Dict[Tuple[int, bytes], Any] = {}
-_UPLOAD_STREAMS: Dict[int, Any] = {}  # per GPU: where tables for a capture are uploaded
-
-
-def _graph_table(cupy: Any, device: int, table: np.ndarray,
-                 content: Optional[bytes] = None) -> Any:
-    """``table`` on the GPU for a launch being captured into a CUDA graph, kept until
-    :func:`release_graph_tables`. Uploaded on a stream of its own that is not capturing, and
-    waited for there: the copy from host memory cannot be part of the capture (CUDA refuses
-    it, or the graph would read CuPy's reused staging memory at each replay)."""
-    key = (device, table.tobytes() if content is None else content)
-    found = _GRAPH_TABLES.get(key)
-    if found is None:
-        side = _UPLOAD_STREAMS.get(device)
-        if side is None:
-            side = _UPLOAD_STREAMS[device] = cupy.cuda.Stream(non_blocking=True)
-        with side:
-            found = cupy.asarray(table)
-        side.synchronize()
-        _GRAPH_TABLES[key] = found
-    return found
-
-
-def release_graph_tables() -> int:
-    """Free the work tables kept for CUDA graphs that captured :func:`pack` or :func:`unpack`
-    (each distinct table is kept once, a few KiB); call it only once those graphs are gone.
-    Returns how many were freed."""
-    count = len(_GRAPH_TABLES)
-    _GRAPH_TABLES.clear()
-    return count
 
 
 def _launch(name: str, pointers: List[int], bucket: Any, offsets: List[int], sizes: List[int],

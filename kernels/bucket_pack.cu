@@ -19,7 +19,7 @@ gpucoll_bucket_pack(const long long* __restrict__ table, int n_arrays, long long
   typedef typename gpucoll::compute_type<Src, Dst>::type C;
   const long long* block_start = table + 3 * static_cast<long long>(n_arrays);
   const long long block = blockIdx.x;
-  const int a = gpucoll::find_array(block_start, n_arrays, block);
+  const int a = gpucoll::find_array(table, n_arrays, block);
   const Src* src = reinterpret_cast<const Src*>(table[a]);
   Dst* dst = bucket + table[n_arrays + a];
   const long long count = table[2 * static_cast<long long>(n_arrays) + a];

@@ -24,7 +24,7 @@ gpucoll_bucket_unpack(const long long* __restrict__ table, int n_arrays, long lo
   typedef typename gpucoll::compute_type<Src, Dst>::type C;
   const long long* block_start = table + 3 * static_cast<long long>(n_arrays);
   const long long block = blockIdx.x;
-  const int a = gpucoll::find_array(block_start, n_arrays, block);
+  const int a = gpucoll::find_array(table, n_arrays, block);
   Dst* dst = reinterpret_cast<Dst*>(table[a]);
   const Src* src = bucket + table[n_arrays + a];
   const long long count = table[2 * static_cast<long long>(n_arrays) + a];

@@ -11,6 +11,8 @@
 //   [n, 2n)         element offset of each array in the bucket
 //   [2n, 3n)        element count of each array
 //   [3n, 4n + 1)    prefix sum of blocks per array (ceil(count / tile)); block_start[n] = grid
+//   [4n + 1, ...)   block map: int32 per block, the array it copies (grid entries, two per
+//                   int64, the last one's upper half unused when grid is odd)
 // Block b copies one tile (`tile` elements) of the array a with
 // block_start[a] <= b < block_start[a + 1]; zero-length arrays own no block.
 #pragma once
@@ -171,15 +173,27 @@ template <> struct unit_io<8> {
 };
 #endif
 
+// 1: a block finds its array in the table's block map, one load; 0: by a binary search of
+// block_start, about log2(n) loads one after another (10 for 1,000 arrays), which every block
+// of the launch waits for before it copies anything (a -D option can set it).
+#ifndef GPUCOLL_BLOCK_MAP
+#define GPUCOLL_BLOCK_MAP 1
+#endif
+
 // Index of the array that owns block `block` (largest a with block_start[a] <= block).
-__device__ __forceinline__ int find_array(const long long* __restrict__ block_start, int n,
+__device__ __forceinline__ int find_array(const long long* __restrict__ table, int n,
                                           long long block) {
+#if GPUCOLL_BLOCK_MAP
+  return reinterpret_cast<const int*>(table + 4 * static_cast<long long>(n) + 1)[block];
+#else
+  const long long* block_start = table + 3 * static_cast<long long>(n);
   int lo = 0, hi = n;
   while (hi - lo > 1) {
     int mid = (lo + hi) >> 1;
     if (block_start[mid] <= block) lo = mid; else hi = mid;
   }
   return lo;
+#endif
 }
 
 // out[i] = Out(C(in[i]) * scale) for the `n` units (vectors of N elements, or N = 1) of a

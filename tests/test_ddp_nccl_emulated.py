@@ -9,7 +9,7 @@ import weakref
 import numpy as np
 import pytest
 
-from gpucoll import kernels
+from gpucoll import kernel_tables
 from gpucoll.ddp import Bucketer, PowerSGD
 
 from nccl_emulated_harness import emu, run  # noqa: F401
@@ -93,7 +93,7 @@ def test_a_captured_step_replays_at_each_launch(run, emu, n):
                 if step == 2 and comm.rank == 1:
                     host[0] = np.inf
                 array[...] = cp.asarray(host)
-            kernels._TABLES.clear()  # the eager tables go (freed at once); the graph's must not
+            kernel_tables._TABLES.clear()  # the eager tables go (freed at once); the graph's must not
             comm.launch_graph(graph, stream=stream)
             stream.synchronize()
             seen.append(([g.get() for g in grads], int(flag().get()[0])))  # alive with graph

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpucoll import kernels
+from gpucoll import kernel_tables, kernels
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
@@ -208,15 +208,15 @@ def test_launch_plan_splits_long_lists(monkeypatch):
     first, stop, block_start = plan
     assert (first, stop) == (0, 7)
     np.testing.assert_array_equal(block_start, [0, 0, 1, 2, 4, 4, 5, 8])
-    monkeypatch.setattr(kernels, "MAX_ARRAYS_PER_LAUNCH", 3)
+    monkeypatch.setattr(kernel_tables, "MAX_ARRAYS_PER_LAUNCH", 3)
     plan = kernels.launch_plan(sizes, tile=4096)
     assert [(f, s) for f, s, _ in plan] == [(0, 3), (3, 6), (6, 7)]
-    monkeypatch.setattr(kernels, "MAX_ARRAYS_PER_LAUNCH", 65536)
-    monkeypatch.setattr(kernels, "MAX_BLOCKS_PER_LAUNCH", 3)
+    monkeypatch.setattr(kernel_tables, "MAX_ARRAYS_PER_LAUNCH", 65536)
+    monkeypatch.setattr(kernel_tables, "MAX_BLOCKS_PER_LAUNCH", 3)
     plan = kernels.launch_plan(sizes, tile=4096)
     assert [(f, s) for f, s, _ in plan] == [(0, 3), (3, 6), (6, 7)]
     assert [int(bs[-1]) for _, _, bs in plan] == [2, 3, 3]
-    monkeypatch.setattr(kernels, "MAX_BLOCKS_PER_LAUNCH", 2)
+    monkeypatch.setattr(kernel_tables, "MAX_BLOCKS_PER_LAUNCH", 2)
     with pytest.raises(ValueError, match="9000 elements"):
         kernels.launch_plan(sizes, tile=4096)
 
@@ -319,10 +319,10 @@ def test_pack_unpack_gpu(pair, sizes, offset_kind):
 
 @pytest.mark.gpu
 def test_gpu_chunks_long_lists(monkeypatch):
-    monkeypatch.setattr(kernels, "MAX_ARRAYS_PER_LAUNCH", 5)
+    monkeypatch.setattr(kernel_tables, "MAX_ARRAYS_PER_LAUNCH", 5)
     _gpu_round_trip(("float32", "float16"), SIZE_SETS["odd"] + SIZE_SETS["many-small"], "odd")
-    monkeypatch.setattr(kernels, "MAX_ARRAYS_PER_LAUNCH", 65536)
-    monkeypatch.setattr(kernels, "MAX_BLOCKS_PER_LAUNCH", 2)
+    monkeypatch.setattr(kernel_tables, "MAX_ARRAYS_PER_LAUNCH", 65536)
+    monkeypatch.setattr(kernel_tables, "MAX_BLOCKS_PER_LAUNCH", 2)
     _gpu_round_trip(("float32", "float32"), SIZE_SETS["tile-edges"], "aligned")
 
 

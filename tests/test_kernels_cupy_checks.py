@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpucoll import kernels
+from gpucoll import kernel_tables, kernels
 
 cupy = pytest.importorskip("cupy")
 from cupy.cuda import memory  # noqa: E402
@@ -120,15 +120,15 @@ def test_a_placement_found_to_fit_before_is_not_worked_out_again(monkeypatch):
 
 def test_launches_worked_out_before_are_reused():
     pointers, offsets, sizes = [4096, 8192, 12288], [0, 8, 100], [5, 0, 9000]
-    plan = kernels._planned(pointers, offsets, sizes)
+    plan = kernel_tables._planned(pointers, offsets, sizes)
     expected = list(kernels.work_tables(pointers, offsets, sizes))
     assert [(n, grid) for n, grid, _, _ in plan] == [(n, grid) for n, grid, _ in expected]
     for (_, _, table, content), (_, _, reference) in zip(plan, expected):
         np.testing.assert_array_equal(table, reference)
         assert content == reference.tobytes()
-    assert kernels._planned(list(pointers), tuple(offsets), sizes) is plan
-    assert kernels._planned(pointers, [0, 8, 101], sizes) is not plan
-    assert kernels._planned([4096, 8192, 12289], offsets, sizes) is not plan
+    assert kernel_tables._planned(list(pointers), tuple(offsets), sizes) is plan
+    assert kernel_tables._planned(pointers, [0, 8, 101], sizes) is not plan
+    assert kernel_tables._planned([4096, 8192, 12289], offsets, sizes) is not plan
 
 
 def test_a_list_checked_before_still_names_a_new_error():
@@ -175,20 +175,20 @@ class _Uploads:
 
 
 def test_a_work_table_goes_to_the_gpu_once_per_content_and_stream(monkeypatch):
-    monkeypatch.setattr(kernels, "_TABLES", type(kernels._TABLES)())
-    monkeypatch.setattr(kernels, "TABLES_KEPT", 2)
+    monkeypatch.setattr(kernel_tables, "_TABLES", type(kernel_tables._TABLES)())
+    monkeypatch.setattr(kernel_tables, "TABLES_KEPT", 2)
     up = _Uploads()
     a, b, c = (np.arange(4, dtype=np.int64) + k for k in range(3))
-    first = kernels._device_table(up, 0, 7, a)
-    assert kernels._device_table(up, 0, 7, a.copy()) is first and up.count == 1
-    assert kernels._device_table(up, 0, 8, a) is not first and up.count == 2  # other stream
-    assert kernels._device_table(up, 1, 7, a) is not first and up.count == 3  # other GPU
-    kernels._device_table(up, 0, 7, b)
-    kernels._device_table(up, 0, 7, c)
-    assert len(kernels._TABLES) == 2  # the oldest went
-    np.testing.assert_array_equal(kernels._device_table(up, 0, 7, b)[1], b)
+    first = kernel_tables._device_table(up, 0, 7, a)
+    assert kernel_tables._device_table(up, 0, 7, a.copy()) is first and up.count == 1
+    assert kernel_tables._device_table(up, 0, 8, a) is not first and up.count == 2  # other stream
+    assert kernel_tables._device_table(up, 1, 7, a) is not first and up.count == 3  # other GPU
+    kernel_tables._device_table(up, 0, 7, b)
+    kernel_tables._device_table(up, 0, 7, c)
+    assert len(kernel_tables._TABLES) == 2  # the oldest went
+    np.testing.assert_array_equal(kernel_tables._device_table(up, 0, 7, b)[1], b)
     assert up.count == 5
-    kernels._device_table(up, 0, 7, a)
+    kernel_tables._device_table(up, 0, 7, a)
     assert up.count == 6  # evicted, so uploaded again
 
 

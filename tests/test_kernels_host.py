@@ -19,7 +19,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from gpucoll import kernels
+from gpucoll import kernel_tables, kernels
 
 pytestmark = [pytest.mark.kernel_host,
               pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
@@ -66,7 +66,10 @@ class HostKernels:
         error = ctypes.create_string_buffer(256)
         for n_arrays, grid, table in kernels.work_tables([a.ctypes.data for a in arrays],
                                                          offsets, sizes):
-            assert table.dtype == np.int64 and table.size == 4 * n_arrays + 1
+            assert table.dtype == np.int64 and table.size == 4 * n_arrays + 1 + (grid + 1) // 2
+            block_start = table[3 * n_arrays:4 * n_arrays + 1]
+            owner = np.searchsorted(block_start, np.arange(grid), side="right") - 1
+            np.testing.assert_array_equal(table[4 * n_arrays + 1:].view(np.int32)[:grid], owner)
             self._check(self.lib.gpucoll_host_launch(
                 name.encode(), src.encode(), dst.encode(), grid, kernels.THREADS_PER_BLOCK,
                 table.ctypes.data, n_arrays, kernels.TILE_ELEMS, bucket.ctypes.data, scale,
@@ -96,8 +99,7 @@ class HostKernels:
         return status, error.value.decode(), seen, votes
 
 
-@pytest.fixture(scope="session")
-def host(tmp_path_factory):
+def _build(tmp_path_factory, *defines):
     if platform.system() != "Linux":
         pytest.skip("the host kernel emulation uses ucontext fibers (Linux)")
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
@@ -105,10 +107,24 @@ def host(tmp_path_factory):
         pytest.skip("no host C++ compiler (g++ or clang++; e.g. apt-get install g++)")
     target = tmp_path_factory.mktemp("kernel_host") / "kernels_host.so"
     command = [compiler, "-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing",
-               "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", SOURCE, "-o", str(target)]
+               "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", *defines, SOURCE, "-o",
+               str(target)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(command)}\n{proc.stderr}"
     return HostKernels(str(target))
+
+
+@pytest.fixture(scope="session")
+def host(tmp_path_factory):
+    return _build(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def host_searching(tmp_path_factory):
+    """The kernels built to find each block's array by a binary search of the table's block
+    starts instead of its block map (GPUCOLL_BLOCK_MAP=0, as bench/bench_bucket_tiles.py
+    compares them)."""
+    return _build(tmp_path_factory, "-DGPUCOLL_BLOCK_MAP=0")
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -289,6 +305,18 @@ def test_random_work_tables_match_numpy(host, pair, seed):
         compare_unpack(host, bucket, layout, array_dtype, offsets, 0.5, None, check=False)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_binary_search_finds_the_same_arrays(host_searching, seed):
+    """Pack and unpack without the block map: many arrays (empty ones among them, which own
+    no block) on random layouts, against NumPy."""
+    f32 = np.dtype(np.float32)
+    rng = np.random.default_rng([seed, 99])
+    for specials in (False, True):
+        layout, arrays, offsets, total = random_case(rng, f32, f32, 40, specials)
+        bucket = compare_pack(host_searching, arrays, offsets, total, f32, 0.37)
+        compare_unpack(host_searching, bucket, layout, f32, offsets, 0.5, None, check=True)
+
+
 def test_subnormals_are_kept(host):
     """float32 and bfloat16 subnormals survive the scale multiply and the casts."""
     values = np.array([2.0 ** -149, 2.0 ** -133, -(2.0 ** -130), 3 * 2.0 ** -133, 2.0 ** -127,
@@ -320,8 +348,8 @@ def test_launches_split_as_planned(host, monkeypatch):
     rng = np.random.default_rng(11)
     layout, arrays, offsets, total = random_case(rng, np.float32, np.float16, 40, True)
     for max_arrays, max_blocks in ((5, 2 ** 31 - 1), (65536, 4), (3, 3)):
-        monkeypatch.setattr(kernels, "MAX_ARRAYS_PER_LAUNCH", max_arrays)
-        monkeypatch.setattr(kernels, "MAX_BLOCKS_PER_LAUNCH", max_blocks)
+        monkeypatch.setattr(kernel_tables, "MAX_ARRAYS_PER_LAUNCH", max_arrays)
+        monkeypatch.setattr(kernel_tables, "MAX_BLOCKS_PER_LAUNCH", max_blocks)
         before = host.launches
         bucket = compare_pack(host, arrays, offsets, total, np.float16, 0.25)
         assert host.launches - before > 1

@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gpucoll"
 LAYERS = {
     "errors": 0, "types": 0, "config": 0, "auth": 0, "work": 0, "communicator": 0,
     "cuda_env": 0, "graph_capture": 0, "kernels": 0, "cliutil": 0, "hostarrays": 0, "objects": 0, "composite": 0,
+    "kernel_tables": 0,
     "composite_alltoall": 0, "composite_scatter": 0, "scan": 0, "sendrecv": 0, "batch_p2p": 0,
     "groups": 0,
     "default_comm": 0, "orphan_guard": 0, "flight_recorder": 0,

@@ -396,7 +396,7 @@ def test_a_data_parallel_step_captured_into_a_cuda_graph(comm):
     cache (tests/test_ddp_nccl_emulated.py runs the same on 2 and 3 emulated ranks)."""
     import cupy
 
-    from gpucoll import kernels
+    from gpucoll import kernel_tables
     from gpucoll.ddp import Bucketer
 
     shapes = [(3, 5), (7,), (4096,), (1,)]
@@ -417,7 +417,7 @@ def test_a_data_parallel_step_captured_into_a_cuda_graph(comm):
         for array, values in zip(grads, host):
             array.set(values)
         cupy.cuda.Device().synchronize()
-        kernels._TABLES.clear()
+        kernel_tables._TABLES.clear()
         comm.launch_graph(graph, stream=stream)
         stream.synchronize()
         assert int(flag.get()[0]) == (1 if step == 1 else 0), step

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpucoll import kernels
+from gpucoll import kernel_tables, kernels
 
 if TYPE_CHECKING:
     from .emulation import Emulation
@@ -30,9 +30,9 @@ def forget_earlier_gpus() -> None:
     """A new emulation is a new machine: gpucoll's caches of GPU objects (compiled kernels,
     work tables on the GPU, upload streams) from an earlier one must not be found there."""
     kernels._kernel.cache_clear()
-    kernels._TABLES.clear()
-    kernels._GRAPH_TABLES.clear()
-    kernels._UPLOAD_STREAMS.clear()
+    kernel_tables._TABLES.clear()
+    kernel_tables._GRAPH_TABLES.clear()
+    kernel_tables._UPLOAD_STREAMS.clear()
 
 
 def _dtype(c_type: str) -> np.dtype:
