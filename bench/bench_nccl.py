@@ -9,7 +9,7 @@ target: gpucoll's overhead at most 5 % or 5 us per call, whichever is larger.
 Run on one GPU (one rank), or with several ranks (one GPU each, or two ranks on one GPU with
 NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1)::
 
-    python bench/bench_nccl.py --json nccl_overhead.json
+    python bench/bench_nccl.py --json nccl_overhead.json [--parts]
     gpucoll run -n 2 bench/bench_nccl.py
 
 Without a GPU it says why and exits 0.
@@ -98,6 +98,42 @@ def measure(comm, nbytes: int, iters: int, rounds: int, warmup: int) -> dict:
     }
 
 
+def parts(comm, iters: int = 20000, rounds: int = 5) -> list:
+    """Host time per call of each CUDA / CuPy call the one-pass all-reduce makes, beside the
+    direct NCCL call and gpucoll's whole call (8 B, in place): where the overhead goes on
+    this host. ``[(name, median µs per call)]``; each line includes the loop's own cost (the
+    ``empty loop`` line)."""
+    import cupy
+    from cupy.cuda import nccl
+
+    x = cupy.ones(2, dtype=cupy.float32)
+    runtime = cupy.cuda.runtime
+    stream = cupy.cuda.get_current_stream()
+    raw, ptr, s = comm.nccl_comm, x.data.ptr, stream.ptr
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    lines = [
+        ("empty loop", lambda: None),
+        ("direct allReduce", lambda: raw.allReduce(ptr, ptr, 2, nccl.NCCL_FLOAT32,
+                                                   nccl.NCCL_SUM, s)),
+        ("get_current_stream().ptr", lambda: cupy.cuda.get_current_stream().ptr),
+        ("runtime.getDevice()", runtime.getDevice),
+        ("runtime.streamIsCapturing(s)", lambda: runtime.streamIsCapturing(s)),
+        ("runtime.eventRecord(e, s)", lambda: runtime.eventRecord(event.ptr, s)),
+        ("runtime.eventQuery(e)", lambda: runtime.eventQuery(event.ptr)),
+        ("gpucoll all_reduce", lambda: comm.all_reduce(x)),
+    ]
+    times = {name: [] for name, _ in lines}
+    for _ in range(rounds):
+        for name, fn in lines:
+            stream.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            stream.synchronize()
+            times[name].append((time.perf_counter() - start) / iters)
+    return [(name, statistics.median(times[name]) * 1e6) for name, _ in lines]
+
+
 def _init():
     if "WORLD_SIZE" in os.environ:
         return gpucoll.init(backend="nccl")
@@ -131,6 +167,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="rounds per variant (default 7)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time each CUDA call of gpucoll's path on its own (one rank)")
     args = parser.parse_args(argv)
 
     opened = open_nccl("bench_nccl")
@@ -147,6 +185,7 @@ def main(argv=None) -> int:
         rows = [measure(comm, nbytes, args.iters, args.rounds, args.warmup)
                 for nbytes in _sizes(parse_size(args.minbytes), parse_size(args.maxbytes),
                                      args.stepfactor)]
+        breakdown = parts(comm) if args.parts and comm.size == 1 else []
     finally:
         comm.close()
     if comm.rank == 0:
@@ -164,9 +203,14 @@ def main(argv=None) -> int:
         print(f"\nall within target: {all(r['ok'] for r in rows)}; worst margin at "
               f"{worst['bytes']} B: {worst['overhead_us']:+.2f} µs vs {worst['allowed_us']:.2f} "
               f"allowed")
+        if breakdown:
+            print("\n| host call, 8 B | µs/call |\n|---|---:|")
+            for line, micros in breakdown:
+                print(f"| {line} | {micros:.3f} |")
         if args.json:
             with open(args.json, "w") as handle:
-                json.dump({"header": header, "rows": rows}, handle, indent=1)
+                json.dump({"header": header, "rows": rows, "parts": breakdown}, handle,
+                          indent=1)
     return 0
 
 

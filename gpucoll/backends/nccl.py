@@ -317,9 +317,8 @@ class NCCLCommunicator(OnePassCalls, NCCLCollectives, GraphLaunches, ProgressRep
         (NCCL may block inside); the watchdog's entry, also the flight recorder's probe, whose
         event ``_track`` records. ``pool``: where its event goes back (None: a Work keeps it).
         Raises what :meth:`_refused` makes of an error of the call."""
-        pending = EnqueuedCall(name, number, time.monotonic() + self.timeout, None, peer,
-                               collective, pool, ptr, self._event_done)
-        pending.comm = self
+        pending = EnqueuedCall(self, name, number, time.monotonic() + self.timeout, peer,
+                               collective, pool, ptr)
         watchdog = self._watchdog
         watchdog.enter_host_call(pending)
         if self._failure is not None:  # failed since the caller looked: its abort may be

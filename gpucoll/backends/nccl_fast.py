@@ -49,22 +49,27 @@ class OnePassCalls:
     # ------------------------------------------------------------------ the calls
     def all_reduce(self, x: Any, op: Union[ReduceOp, str] = "sum", *, out: Any = None,
                    async_op: bool = False, stream: Any = None):
-        if out is None and stream is None:
-            current = self._one_pass_stream(x)
-            if current is not None:
-                try:  # _pair's lookup, inline: the hottest call
-                    translated = self._pairs[x.dtype, op]
-                except (KeyError, TypeError):
-                    translated = self._pair(x, op)
-            else:
-                translated = None
+        # _one_pass_stream and _pair's lookup, inline: the hottest call (a cached pair's dtype
+        # passed the dtype check when it was cached)
+        if out is None and stream is None and isinstance(x, self._cupy.ndarray) and \
+                x._c_contiguous and x.data.device_id == self.device and not self._debug and \
+                self._failure is None and not self._closed and \
+                self._recorder is not NOT_STARTED:
+            try:
+                translated = self._pairs[x.dtype, op]
+            except (KeyError, TypeError):
+                translated = self._pair(x, op) if x.dtype in _ACCEPTED_DTYPES else None
             if translated is not None:
-                dtype, per_element, reduce_op = translated
-                ptr = x.data.ptr
-                return self._one_pass(
-                    "all_reduce", self.nccl_comm.allReduce,
-                    (ptr, ptr, per_element * x.size, dtype, reduce_op), current, x,
-                    (x.shape, x.dtype, None, None, None, None), None, async_op)
+                runtime = self._runtime
+                current = self._cupy.cuda.get_current_stream().ptr
+                if runtime.getDevice() == self.device and \
+                        not runtime.streamIsCapturing(current):
+                    dtype, per_element, reduce_op = translated
+                    ptr = x.data.ptr
+                    return self._one_pass(
+                        "all_reduce", self.nccl_comm.allReduce,
+                        (ptr, ptr, per_element * x.size, dtype, reduce_op), current, x,
+                        (x.shape, x.dtype, None, None, None, None), None, async_op)
         return Communicator.all_reduce(self, x, op, out=out, async_op=async_op, stream=stream)
 
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False, stream: Any = None):
@@ -239,10 +244,8 @@ class OnePassCalls:
             number = self._p2p_seq = self._p2p_seq + 1
         watchdog = self._watchdog
         events = self._events
-        pending = EnqueuedCall(name, number, _monotonic() + self.timeout, None, peer,
-                               collective, None if async_op else events, stream,
-                               self._event_done)
-        pending.comm = self
+        pending = EnqueuedCall(self, name, number, _monotonic() + self.timeout, peer,
+                               collective, None if async_op else events, stream)
         try:
             watchdog.enter_host_call(pending)
             if self._failure is not None:

@@ -23,10 +23,25 @@ class EnqueuedCall(Pending):
 
     Finished once the watchdog has seen its event complete, or the event says so now (until the
     watchdog releases it the event is this call's alone); a communicator that failed first
-    makes it failed with the failure's error. The backend sets ``comm`` right after creating it.
+    makes it failed with the failure's error. Its event is set once recorded.
     """
 
     __slots__ = ("comm",)
+
+    def __init__(self, comm: Any, op: str, seq: int, deadline: float, peer: Optional[int],
+                 collective: bool, pool: Optional[list], stream: Any):
+        # built on every NCCL call: one store per slot, no defaults, the query from `comm`
+        self.comm = comm
+        self.op = op
+        self.seq = seq
+        self.deadline = deadline
+        self.event = None
+        self.peer = peer
+        self.collective = collective
+        self.pool = pool
+        self.stream = stream
+        self.query = comm._event_done
+        self.finished = False
 
     def _done(self) -> bool:
         if self.finished:
