@@ -156,7 +156,7 @@ def plan(out: str, digits: Optional[str] = None, workers: int = 0) -> List[Step]
                       "--epochs", "2", *digits_args),
              {**TWO_RANKS_ON_ONE_GPU, "GPUCOLL_BACKEND": "nccl"}, needs_module=digits_need),
         Step("bench", "bench-nccl-1-rank", 150,
-             [PY, "bench/bench_nccl.py", "--json", j("nccl_overhead_1rank.json")],
+             [PY, "bench/bench_nccl.py", "--parts", "--json", j("nccl_overhead_1rank.json")],
              outputs=[j("nccl_overhead_1rank.json")]),
         Step("bench", "bench-nccl-2-ranks", 200,
              # two processes time-slice the one GPU (milliseconds per call): few calls
