@@ -76,12 +76,18 @@ class _DoneEvent:
     done = True
 
 
+_CACHED_CLASSES: dict = {}
+
+
 def cached_attributes(array):
     """``array``'s memory as an array of a subclass whose attributes in ``_CACHED`` are read
     once and then stored (plain class attributes shadow the base class's properties, so the
     instance's own values are found first)."""
-    cls = type("CachedAttributeArray", (type(array),),
-               dict(dict.fromkeys(_CACHED), __module__=type(array).__module__))  # still "cupy"
+    cls = _CACHED_CLASSES.get(type(array))
+    if cls is None:  # one per array type, as CuPy has one ndarray type
+        cls = _CACHED_CLASSES[type(array)] = type(
+            "CachedAttributeArray", (type(array),),
+            dict(dict.fromkeys(_CACHED), __module__=type(array).__module__))  # still "cupy"
     view = cls(array._a, array._device_id, array._owner, array._owndata)
     view.__dict__.update({name: getattr(array, name) for name in _CACHED})
     return view

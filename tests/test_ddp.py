@@ -238,6 +238,30 @@ def test_bucketer_usage_errors(solo):
         Bucketer(solo, params, compression="int8")
 
 
+def test_mark_ready_asks_host_view_once_per_array_type_it_leaves_alone(solo, monkeypatch):
+    """A plain NumPy gradient is left as it is by host_view, which its type decides: asked once,
+    not for every gradient of every step; a type host_view converts is converted every time."""
+    from gpucoll.ddp import bucketer as module
+
+    class Subclass(np.ndarray):  # host_view reads it through DLPack: a plain ndarray view
+        pass
+
+    asked = []
+    real = module.host_view
+    monkeypatch.setattr(module, "host_view",
+                        lambda x, name="x": asked.append(type(x)) or real(x, name))
+    bucketer = Bucketer(solo, [np.zeros(4, np.float32), np.zeros(3, np.float32),
+                               np.zeros(2, np.float32)])
+    asked.clear()  # the parameters' views
+    for step in range(3):
+        grads = [np.full(4, step, np.float32), np.full(3, step + 1, np.float32).view(Subclass),
+                 np.full(2, step + 2, np.float32)]
+        out = bucketer.reduce(grads)
+        for got, value in zip(out, (step, step + 1, step + 2)):
+            np.testing.assert_array_equal(got, np.full(got.shape, value))
+    assert asked.count(np.ndarray) == 1 and asked.count(Subclass) == 3, asked
+
+
 def test_no_sync_accumulates_locally(solo):
     bucketer = Bucketer(solo, [np.zeros(4, np.float32)])
     with bucketer.no_sync():

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from .. import kernels
+from ..cuda_env import is_cupy_array
 from ..graph_capture import device_array_in_capture
 from ..hostarrays import array_module as _array_module, host_view
 from .comm_hook import CommHook
@@ -185,6 +186,7 @@ class Bucketer:
         self._next_issue = 0
         self._accumulating = False
         self._accumulated: Dict[int, Any] = {}
+        self._unchanged_types: set = set()  # gradients of these types need no host_view
         self.found_inf = None  # int32 flag array of the last finish() that checked
         self._graph_flags: List[Any] = []  # flags captured steps write: alive with their graphs
 
@@ -223,7 +225,12 @@ class Bucketer:
         if not 0 <= index < len(self.shapes):
             raise ValueError(f"gradient index {index} is out of range for {len(self.shapes)} "
                              f"parameters")
-        caller, grad = grad, host_view(grad, f"gradient {index}")  # torch CPU tensors too
+        caller = grad
+        if type(grad) not in self._unchanged_types:  # host_view returns these as they are
+            grad = host_view(grad, f"gradient {index}")  # torch CPU tensors too
+            if len(self._unchanged_types) < 8 and (
+                    type(grad) is np.ndarray or is_cupy_array(grad)):
+                self._unchanged_types.add(type(grad))  # decided by the type alone
         shape = grad.shape  # a tuple already for NumPy and CuPy: no new one per gradient
         if shape != self.shapes[index] and tuple(shape) != self.shapes[index]:
             raise ValueError(f"gradient {index} has shape {tuple(shape)}, expected "
@@ -248,9 +255,10 @@ class Bucketer:
         self._callers[index] = caller
         if self._accumulating:
             return
-        previous = self._accumulated.pop(index, None)
-        if previous is not None:
-            grad += previous
+        if self._accumulated:  # micro-batches of no_sync() before this step
+            previous = self._accumulated.pop(index, None)
+            if previous is not None:
+                grad += previous
         bucket = self._bucket_of[index]
         bucket.ready += 1
         if bucket.ready == len(bucket.members):
