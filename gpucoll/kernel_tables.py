@@ -25,8 +25,8 @@ MAX_ARRAYS_PER_LAUNCH = 65536
 #: Blocks one launch may have (CUDA's grid.x limit).
 MAX_BLOCKS_PER_LAUNCH = 2 ** 31 - 1
 #: Elements one thread block copies (a multiple of 16, so every vector width divides it).
-#: With the work table's block map, 4,096 beat 8,192 and 16,384 on an H200 for every layout
-#: and dtype pair (``bench/bench_bucket_tiles.py``).
+#: With the work table's block map, 4,096 matched or beat 2,048, 8,192 and 16,384 on an H200
+#: for every layout and dtype pair (``bench/bench_bucket_tiles.py``).
 TILE_ELEMS = 4096
 
 
