@@ -30,7 +30,8 @@ class EnqueuedCall(Pending):
 
     def __init__(self, comm: Any, op: str, seq: int, deadline: float, peer: Optional[int],
                  collective: bool, pool: Optional[list], stream: Any):
-        # built on every NCCL call: one store per slot, no defaults, the query from `comm`
+        # built on every NCCL call: Pending's stores here, not through Pending.__init__ (a
+        # second frame and its defaults: about 800 host instructions more per call)
         self.comm = comm
         self.op = op
         self.seq = seq
