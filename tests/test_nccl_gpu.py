@@ -5,7 +5,8 @@ anything is enqueued, the watchdog on a deliberately stalled stream, DLPack and 
 asynchronous Work and streams, a CUDA graph of collectives, scan / exscan. Two ranks on one GPU when NCCL >= 2.30 allows it
 (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS capped), in real processes under a hard timeout:
 the collectives, a large ``sendrecv`` both ways at once and a ``batch_isend_irecv`` halo
-exchange, scan / exscan on a busy stream; three such ranks, one SIGKILLed, for ``shrink()``.
+exchange, scan / exscan on a busy stream; three such ranks, one SIGKILLed, for ``shrink()``;
+two that ``grow()`` with a third, started with GPUCOLL_JOIN.
 """
 
 import time
@@ -771,4 +772,46 @@ def test_three_ranks_one_killed_survivors_shrink_to_a_new_nccl_communicator():
     for r in range(2):
         rank, size, ranks, lost, got = results[r]
         assert (rank, size, ranks, lost) == (r, 2, [0, 1], {2: "did not call shrink within 3 s"})
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def _rank_grows(rank, size, url):
+    """Ranks 0 and 1 of a two-rank job all-reduce, then grow with ``min_size=3``; the third
+    process asks to join through ``init()`` with GPUCOLL_JOIN, as a launcher's newcomer does.
+    Every rank all-reduces on the grown NCCL communicator."""
+    import os
+
+    import cupy
+
+    if rank == 2:
+        os.environ["GPUCOLL_JOIN"] = "newcomer"
+        comm = gpucoll.init(backend="nccl", rank=2, world_size=3, url=url, timeout=120)
+        before = None
+    else:
+        comm = gpucoll.init(backend="nccl", rank=rank, world_size=2, url=url, timeout=120)
+        x = cupy.full(1024, rank + 1, dtype=cupy.float32)
+        comm.all_reduce(x)
+        before = float(cupy.asnumpy(x)[0])
+        bigger = comm.grow(min_size=3, timeout=120)
+        assert bigger is not comm, "the newcomer did not come in"
+        comm.close()
+        comm = bigger
+    try:
+        y = cupy.asarray(make_input(6, comm.rank, (1000,), "float32"))
+        comm.all_reduce(y)
+        cupy.cuda.get_current_stream().synchronize()
+        return comm.rank, comm.size, comm.ranks, sorted(comm.joined), before, cupy.asnumpy(y)
+    finally:
+        comm.close(timeout=30)
+
+
+@two_ranks
+def test_two_ranks_grow_to_three_nccl_ranks_with_a_newcomer():
+    results = run_ranks(_rank_grows, 3, init=False, env=MULTI_RANK_ENV, timeout=240)
+    expected = reduce_reference(np.stack([make_input(6, r, (1000,), "float32")
+                                          for r in range(3)]), "sum")
+    for r in range(3):
+        rank, size, ranks, joined, before, got = results[r]
+        assert (rank, size, ranks, joined) == (r, 3, [0, 1, 2], [2])
+        assert before == (None if r == 2 else 3.0)
         np.testing.assert_allclose(got, expected, rtol=1e-6)
